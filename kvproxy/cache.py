@@ -1,0 +1,628 @@
+"""The conversation cache: for each chat request, get its KV state into a slot, then forward.
+
+Per request: key the conversation, take a slot (the one holding its longest prefix, else an
+idle one), make sure the slot still holds what we think (GET /slots), save the slot's other
+conversation if it would be lost, restore a longer prefix from disk if there is one, pin the
+request to the slot with `id_slot`, relay the reply while capturing it, and record what the
+slot now holds. Saves happen at eviction, after an idle while, on shutdown (write-back), or
+after every reply (write-through).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from . import keys as keymod
+from .config import Settings
+from .errors import error_response
+from .relay import relay
+from .replies import ReplyCapture
+from .slots import Holding, QueueFull, Slot, SlotPool
+from .store import Entry, Store
+from .upstream import Upstream, UpstreamError
+
+log = logging.getLogger("kvproxy.cache")
+
+HOUSEKEEPING_INTERVAL = 1.0
+PROPS_CHECK_INTERVAL = 15.0
+BUSY_WAIT_LIMIT = 120.0
+
+
+@dataclass
+class Plan:
+    """What the cache knows about one chat request."""
+
+    payload: dict[str, Any]
+    namespace: str
+    keys: list[str]
+    messages: list[Any]
+
+
+@dataclass
+class Stats:
+    requests: dict[str, int] = field(
+        default_factory=lambda: {"resident": 0, "restored": 0, "miss": 0, "bypass": 0}
+    )
+    saves: int = 0
+    save_failures: int = 0
+    restores: int = 0
+    restore_failures: int = 0
+    saved_bytes: int = 0
+    restored_tokens: int = 0
+    evictions: int = 0
+    cache_n: int = 0
+    prompt_n: int = 0
+    slot_resets_seen: int = 0
+
+
+class ConversationCache:
+    def __init__(self, settings: Settings, upstream: Upstream) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.store = Store(Path(settings.cache_dir), settings.ttl, int(settings.max_disk))
+        self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
+        self.stats = Stats()
+        self.enabled = False  # slot pinning works (GET /slots answered)
+        self.disk_enabled = True  # slot save/restore works (--slot-save-path set)
+        self.model_identity = ""
+        self._housekeeper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._last_props_check = 0.0
+        self._disk_error_logged = False
+
+    # --- life cycle
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.store.open)
+        try:
+            await self._discover()
+        except UpstreamError as exc:
+            log.warning("llama-server not ready (%s); will retry in the background", exc)
+        self._housekeeper = asyncio.create_task(self._housekeeping())
+
+    async def stop(self) -> None:
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeper
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.enabled:
+            for slot in self.pool.slots:
+                if self._worth_saving(slot):
+                    with contextlib.suppress(QueueFull, UpstreamError, OSError):
+                        got, _ = await self.pool.acquire(wanted=slot.id)
+                        try:
+                            await self._verify(got)
+                            await self._save(got)
+                        finally:
+                            self.pool.release(got)
+
+    async def _discover(self) -> None:
+        props = await self.upstream.get_json("/props")
+        identity = await asyncio.to_thread(_model_identity, props)
+        try:
+            slots = await self.upstream.get_json("/slots")
+        except UpstreamError as exc:
+            if self.enabled or self.model_identity != identity:
+                log.warning("GET /slots failed (%s): caching is off, requests pass through", exc)
+            self.enabled = False
+            self.model_identity = identity
+            return
+        if identity != self.model_identity or len(slots) != len(self.pool.slots):
+            if self.model_identity:
+                log.info("llama-server changed (model or slots): forgetting what slots held")
+            self.pool.resize(len(slots))
+            self.pool.forget_all()
+            self.model_identity = identity
+        if not self.enabled:
+            log.info("llama-server has %d slots; model %s", len(slots), props.get("model_path"))
+        self.enabled = True
+        self._last_props_check = time.monotonic()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL)
+            try:
+                if time.monotonic() - self._last_props_check > PROPS_CHECK_INTERVAL:
+                    await self._discover()
+                await self._evict()
+                await self._idle_saves()
+            except UpstreamError as exc:
+                log.debug("housekeeping: %s", exc)
+            except Exception:
+                log.exception("housekeeping failed")
+
+    async def _idle_saves(self) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        for slot in self.pool.slots:
+            if (
+                not slot.busy
+                and self._worth_saving(slot)
+                and now - slot.last_used >= self.settings.idle_save_after
+            ):
+                slot.busy = True  # single-threaded loop: nobody can take it between check and set
+                try:
+                    await self._verify(slot)
+                    await self._save(slot)
+                except UpstreamError as exc:
+                    log.debug("idle save of slot %d: %s", slot.id, exc)
+                finally:
+                    self.pool.release(slot)
+
+    # --- requests
+
+    def _plan(self, payload: Any, headers: Any) -> Plan | str:
+        """A Plan, or the reason this request is not cached."""
+        if not isinstance(payload, dict):
+            return "body is not a JSON object"
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "no messages"
+        n = payload.get("n", 1)
+        if n not in (1, None):
+            return "n > 1"
+        tenant = keymod.tenant_of(headers, self.settings.tenant_header)
+        ns = keymod.namespace(self.model_identity, payload, tenant)
+        try:
+            chain = keymod.chain(ns, messages)
+        except keymod.UnkeyableRequest as exc:
+            return str(exc)
+        return Plan(payload, ns, chain, messages)
+
+    async def handle_chat(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_json")
+        if not self.enabled:
+            with contextlib.suppress(UpstreamError):
+                await self._discover()
+        if not self.enabled:
+            return await self._forward_unpinned(request, path_qs, body)
+        plan = self._plan(payload, request.headers)
+        if isinstance(plan, str):
+            log.debug("not caching %s: %s", path_qs, plan)
+            return await self._forward_pinned(request, path_qs, payload)
+
+        try:
+            slot, _ = await self.pool.acquire(plan.keys, plan.namespace)
+        except QueueFull as exc:
+            return _busy(exc)
+        reply = None
+        try:
+            try:
+                decision, headers = await self._prepare(slot, plan)
+            except UpstreamError as exc:
+                # The cache could not do its part; the request still goes through, uncached.
+                log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
+                slot.forget()
+                decision, headers = "miss", {"X-KVProxy-Cache": "miss"}
+            self.stats.requests[decision] += 1
+            plan.payload["id_slot"] = slot.id
+            capture = ReplyCapture(streaming=bool(plan.payload.get("stream")))
+            result = await relay(
+                request,
+                self.upstream,
+                path_qs,
+                orjson.dumps(plan.payload),
+                body_replaced=True,
+                extra_headers=headers,
+                tap=capture.feed,
+            )
+            if result.complete and result.status == 200:
+                reply = capture.finish()
+            await self._after_reply(slot, plan, reply)
+            self._log_request(plan, slot, decision, headers, reply, result.status)
+            return result.response
+        except BaseException:
+            slot.forget()
+            raise
+        finally:
+            self.pool.release(slot)
+
+    async def handle_pinned(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            payload = None
+        if not self.enabled or not isinstance(payload, dict):
+            return await self._forward_unpinned(request, path_qs, body)
+        return await self._forward_pinned(request, path_qs, payload)
+
+    async def _forward_pinned(
+        self, request: web.Request, path_qs: str, payload: dict[str, Any]
+    ) -> web.StreamResponse:
+        """A slot-using request the cache does not key: pinned, so no slot changes behind us."""
+        try:
+            slot, _ = await self.pool.acquire()
+        except QueueFull as exc:
+            return _busy(exc)
+        try:
+            await self._clear_for_foreign_use(slot)
+            self.stats.requests["bypass"] += 1
+            payload["id_slot"] = slot.id
+            result = await relay(
+                request,
+                self.upstream,
+                path_qs,
+                orjson.dumps(payload),
+                body_replaced=True,
+                extra_headers={"X-KVProxy-Cache": "bypass"},
+            )
+            slot.forget()
+            with contextlib.suppress(UpstreamError):
+                await self._snapshot(slot)
+            return result.response
+        except BaseException:
+            slot.forget()
+            raise
+        finally:
+            self.pool.release(slot)
+
+    async def handle_unpinnable(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        """Routes that ignore `id_slot` (e.g. /v1/messages): the server picks a slot itself, so
+        the proxy holds all of them, saves what would be lost, and re-reads them afterwards."""
+        body = await request.read()
+        if not self.enabled:
+            return await self._forward_unpinned(request, path_qs, body)
+        try:
+            taken = await self.pool.acquire_all()
+        except QueueFull as exc:
+            return _busy(exc)
+        try:
+            for slot in taken:
+                await self._clear_for_foreign_use(slot)
+            self.stats.requests["bypass"] += 1
+            result = await relay(
+                request,
+                self.upstream,
+                path_qs,
+                body,
+                body_replaced=True,
+                extra_headers={"X-KVProxy-Cache": "bypass"},
+            )
+            for slot in taken:
+                try:
+                    await self._verify(slot)
+                except UpstreamError:
+                    slot.forget()
+            return result.response
+        except BaseException:
+            for slot in taken:
+                slot.forget()
+            raise
+        finally:
+            for slot in taken:
+                self.pool.release(slot)
+
+    async def _clear_for_foreign_use(self, slot: Slot) -> None:
+        """Before a request the cache does not key uses the slot: keep what would be lost."""
+        try:
+            await self._verify(slot)
+            if self._worth_saving(slot):
+                await self._save(slot)
+        except UpstreamError as exc:
+            log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
+            slot.forget()
+
+    async def _forward_unpinned(
+        self, request: web.Request, path_qs: str, body: bytes
+    ) -> web.StreamResponse:
+        self.stats.requests["bypass"] += 1
+        result = await relay(
+            request,
+            self.upstream,
+            path_qs,
+            body,
+            body_replaced=True,
+            extra_headers={"X-KVProxy-Cache": "bypass"},
+        )
+        return result.response
+
+    # --- getting the conversation into its slot
+
+    async def _prepare(self, slot: Slot, plan: Plan) -> tuple[str, dict[str, str]]:
+        await self._verify(slot)
+        resident = slot.shared_depth(plan.keys, plan.namespace)
+        found = None
+        if self.disk_enabled:
+            await self._evict()
+            found = self.store.lookup(plan.keys, plan.namespace)
+        if found is not None and found[1] > resident:
+            entry, _depth = found
+            if self._worth_saving(slot, plan.keys):
+                await self._save(slot)
+            restored = await self._restore(slot, entry)
+            if restored is not None:
+                n_tokens, ms = restored
+                return "restored", {
+                    "X-KVProxy-Cache": "restored",
+                    "X-KVProxy-Restored-Tokens": str(n_tokens),
+                    "X-KVProxy-Restore-Ms": f"{ms:.1f}",
+                }
+            return "miss", {"X-KVProxy-Cache": "miss"}
+        if resident > 0:
+            return "resident", {"X-KVProxy-Cache": "resident"}
+        if self._worth_saving(slot, plan.keys):
+            await self._save(slot)
+        return "miss", {"X-KVProxy-Cache": "miss"}
+
+    def _worth_saving(self, slot: Slot, incoming: list[str] | None = None) -> bool:
+        """Would the slot's content be lost, and is it worth keeping?
+
+        Not when the incoming request continues it (it will hold a longer version), nor when
+        only the last message differs (a regenerated reply).
+        """
+        holding = slot.holding
+        if holding is None or slot.saved or not self.disk_enabled:
+            return False
+        if holding.n_tokens < self.settings.min_tokens:
+            return False
+        if incoming is not None:
+            shared = 0
+            for mine, theirs in zip(holding.chain, incoming, strict=False):
+                if mine != theirs:
+                    break
+                shared += 1
+            if shared >= len(holding.chain) - 1:
+                return False
+        return True
+
+    async def _verify(self, slot: Slot) -> None:
+        """Trust the slot only if the server still shows what our last use left there."""
+        deadline = time.monotonic() + BUSY_WAIT_LIMIT
+        while True:
+            info = await self._slot_info(slot.id)
+            if not info.get("is_processing"):
+                break
+            # A cancelled request may still be winding down; a slot action now would be
+            # deferred by the server, which can hang later requests.
+            if time.monotonic() > deadline:
+                raise UpstreamError(f"slot {slot.id} stays busy with work kvproxy did not send")
+            await asyncio.sleep(0.02)
+        snap = (info.get("id_task"), info.get("n_prompt_tokens"))
+        if slot.holding is not None and snap != slot.snapshot:
+            log.info(
+                "slot %d changed behind kvproxy's back (%s -> %s): forgetting %s",
+                slot.id,
+                slot.snapshot,
+                snap,
+                slot.holding.key[:12],
+            )
+            self.stats.slot_resets_seen += 1
+            slot.forget()
+        slot.snapshot = snap
+
+    async def _slot_info(self, slot_id: int) -> dict[str, Any]:
+        slots = await self.upstream.get_json("/slots")
+        for info in slots:
+            if info.get("id") == slot_id:
+                return info
+        raise UpstreamError(f"slot {slot_id} is not in GET /slots")
+
+    async def _snapshot(self, slot: Slot) -> None:
+        info = await self._slot_info(slot.id)
+        slot.snapshot = (info.get("id_task"), info.get("n_prompt_tokens"))
+        if slot.holding is not None and isinstance(info.get("n_prompt_tokens"), int):
+            slot.holding.n_tokens = info["n_prompt_tokens"]
+
+    async def _save(self, slot: Slot) -> bool:
+        """Save what the slot holds under its key. The slot must be ours (busy) and verified."""
+        holding = slot.holding
+        if holding is None:
+            return False
+        temp = self.store.temp_name(holding.key)
+        started = time.perf_counter()
+        try:
+            res = await self.upstream.post_json(f"/slots/{slot.id}?action=save", {"filename": temp})
+            n_saved = int(res["n_saved"])
+            entry = Entry(
+                key=holding.key,
+                namespace=holding.namespace,
+                n_tokens=n_saved,
+                bytes=0,
+                n_messages=holding.n_messages,
+                created=time.time(),
+                last_used=time.time(),
+                chain=list(holding.chain),
+            )
+            await asyncio.to_thread(self.store.commit, entry, temp)
+        except UpstreamError as exc:
+            self.stats.save_failures += 1
+            await asyncio.to_thread(self.store.discard_temp, temp)
+            if exc.status == 501:
+                self.disk_enabled = False
+                log.warning(
+                    "llama-server has no --slot-save-path: disk cache off (start it with "
+                    "--slot-save-path %s)",
+                    self.settings.cache_dir,
+                )
+            else:
+                self._disk_error(f"save of slot {slot.id} failed: {exc}")
+            return False
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.stats.save_failures += 1
+            await asyncio.to_thread(self.store.discard_temp, temp)
+            self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
+            return False
+        slot.saved = True
+        self.stats.saves += 1
+        self.stats.saved_bytes += entry.bytes
+        self._disk_error_logged = False
+        log.info(
+            "saved slot %d: %s, %d tokens, %d bytes in %.1f ms",
+            slot.id,
+            holding.key[:12],
+            n_saved,
+            entry.bytes,
+            (time.perf_counter() - started) * 1000,
+        )
+        await self._evict()
+        return True
+
+    def _disk_error(self, message: str) -> None:
+        if not self._disk_error_logged:
+            log.error("%s (further disk errors logged at debug level)", message)
+            self._disk_error_logged = True
+        else:
+            log.debug(message)
+
+    async def _restore(self, slot: Slot, entry: Entry) -> tuple[int, float] | None:
+        """Load `entry` into the slot; on failure the entry is dropped and None returned."""
+        self.store.pin(entry.key)
+        try:
+            problem = await asyncio.to_thread(self.store.check_state_file, entry)
+            if problem is not None:
+                log.warning("dropping cache entry %s: %s", entry.key[:12], problem)
+                await self._drop(entry)
+                return None
+            started = time.perf_counter()
+            try:
+                res = await self.upstream.post_json(
+                    f"/slots/{slot.id}?action=restore",
+                    {"filename": self.store.state_name(entry.key)},
+                )
+            except UpstreamError as exc:
+                # A failed restore erases the slot on the server.
+                slot.forget()
+                self.stats.restore_failures += 1
+                if exc.status == 400:
+                    log.warning("restore of %s failed, dropping it: %s", entry.key[:12], exc)
+                    await self._drop(entry)
+                    return None
+                raise
+            ms = (time.perf_counter() - started) * 1000
+            n_restored = int(res.get("n_restored", 0))
+            prev_task = slot.snapshot[0] if slot.snapshot else None
+            slot.hold(
+                Holding(entry.namespace, list(entry.chain), n_restored, entry.n_messages),
+                saved=True,
+            )
+            # A restore leaves the slot's last task as it was; only the token count moves.
+            slot.snapshot = (prev_task, n_restored if prev_task is not None else None)
+            self.stats.restores += 1
+            self.stats.restored_tokens += n_restored
+            self._spawn(asyncio.to_thread(self.store.touch, entry.key))
+            return n_restored, ms
+        finally:
+            self.store.unpin(entry.key)
+
+    async def _drop(self, entry: Entry) -> None:
+        await asyncio.to_thread(self.store.remove, entry.key)
+
+    async def _evict(self) -> None:
+        victims = self.store.select_victims()
+        if victims:
+            self.stats.evictions += len(victims)
+            log.info("evicting %d cache entries", len(victims))
+            await asyncio.to_thread(self.store.delete_files, victims)
+
+    async def _after_reply(self, slot: Slot, plan: Plan, reply: Any) -> None:
+        if reply is not None and reply.complete:
+            echoed = reply.as_echoed(self.settings.keep_reasoning)
+            chain = [*plan.keys, keymod.extend(plan.keys[-1], echoed)]
+            timings = reply.timings or {}
+            n_tokens = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
+            self.stats.cache_n += int(timings.get("cache_n", 0))
+            self.stats.prompt_n += int(timings.get("prompt_n", 0))
+            slot.hold(
+                Holding(
+                    plan.namespace,
+                    chain,
+                    n_tokens,
+                    len(plan.messages) + 1,
+                    [*plan.messages, echoed],
+                ),
+                saved=False,
+            )
+        else:
+            slot.forget()
+        try:
+            await self._snapshot(slot)
+            if self.settings.write_through and self._worth_saving(slot):
+                await self._save(slot)
+        except UpstreamError as exc:
+            log.warning("after the reply on slot %d: %s", slot.id, exc)
+            slot.forget()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _log_request(
+        self,
+        plan: Plan,
+        slot: Slot,
+        decision: str,
+        headers: dict[str, str],
+        reply: Any,
+        status: int,
+    ) -> None:
+        timings = (reply.timings if reply is not None else None) or {}
+        log.info(
+            "chat %s slot=%d %s restored=%s cache_n=%s prompt_n=%s status=%d",
+            plan.keys[-1][:12],
+            slot.id,
+            decision,
+            headers.get("X-KVProxy-Restored-Tokens", "0"),
+            timings.get("cache_n", "-"),
+            timings.get("prompt_n", "-"),
+            status,
+        )
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        return {
+            **self.stats.__dict__,
+            "enabled": self.enabled,
+            "disk_enabled": self.disk_enabled,
+            "entries": len(self.store.entries),
+            "disk_bytes": self.store.total_bytes,
+            "queue_waiting": self.pool.waiting,
+            "slots": [
+                {
+                    "id": s.id,
+                    "busy": s.busy,
+                    "key": s.holding.key if s.holding else None,
+                    "n_tokens": s.holding.n_tokens if s.holding else 0,
+                    "saved": s.saved,
+                }
+                for s in self.pool.slots
+            ],
+        }
+
+
+def _busy(exc: QueueFull) -> web.Response:
+    return error_response(
+        503,
+        f"All llama-server slots are busy: {exc}. Retry shortly.",
+        "slots_busy",
+        headers={"Retry-After": str(exc.retry_after)},
+    )
+
+
+def _model_identity(props: dict[str, Any]) -> str:
+    """Which model and KV layout produced a state: states of another never match."""
+    path = str(props.get("model_path", ""))
+    parts = [path, str((props.get("default_generation_settings") or {}).get("n_ctx", ""))]
+    try:
+        st = os.stat(path)
+        parts += [str(st.st_size), str(int(st.st_mtime))]
+    except OSError:
+        pass
+    return "|".join(parts)

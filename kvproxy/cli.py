@@ -1,0 +1,204 @@
+"""`kvproxy` command line: `serve` (sidecar or managed)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from .config import Settings
+from .managed import ManagedServer, ServerError, find_server_binary, free_port, resolve_model
+from .managed import server_command as build_server_command
+from .proxy import build_app
+
+log = logging.getLogger("kvproxy")
+
+LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
+LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"
+
+
+def _is_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return bool in typing.get_args(annotation)
+    return False
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field, so flags, env vars and docs never drift apart."""
+    for name, info in Settings.model_fields.items():
+        if name == "server_args":
+            continue
+        flag = "--" + name.replace("_", "-")
+        env = f"KVPROXY_{name.upper()}"
+        help_text = f"{info.description} [env {env}]"
+        if _is_bool(info.annotation):
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvproxy",
+        description="Caching reverse proxy for llama.cpp's llama-server.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the proxy",
+        description=(
+            "Run the proxy in front of a llama-server (--upstream URL), or start one "
+            "(--model PATH or --model default). Flags after `--` go to llama-server."
+        ),
+    )
+    _add_settings_flags(serve)
+    return parser
+
+
+def load_settings(cli: dict[str, Any]) -> Settings:
+    """Flags win over env vars; an invalid value is one clear line, not a traceback."""
+    try:
+        return Settings(**cli)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            where = f"--{field.replace('_', '-')} / KVPROXY_{field.upper()}"
+            problems.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+        raise SystemExit(f"kvproxy: invalid setting: {'; '.join(problems)}") from None
+
+
+def setup_logging(level: str) -> None:
+    root = logging.getLogger()
+    root.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    llama = logging.getLogger("llama-server")
+    llama.propagate = False
+    llama_handler = logging.StreamHandler(sys.stderr)
+    llama_handler.setFormatter(logging.Formatter(LLAMA_LOG_FORMAT, "%H:%M:%S"))
+    llama.handlers = [llama_handler]
+
+
+async def serve(settings: Settings) -> int:
+    server: ManagedServer | None = None
+    if settings.model:
+        binary = find_server_binary(settings.server_bin)
+        settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        model = await asyncio.to_thread(resolve_model, settings.model)
+        port = free_port()
+        command = build_server_command(
+            binary,
+            model,
+            port,
+            settings.cache_dir,
+            settings.slots,
+            settings.ctx_size,
+            settings.api_key,
+            settings.server_args,
+        )
+        server = ManagedServer(command, port, settings.api_key)
+        await server.start(settings.server_start_timeout)
+        upstream_url = server.url
+    elif settings.upstream_url:
+        upstream_url = settings.upstream_url
+    else:
+        raise SystemExit(
+            "kvproxy: nothing to proxy: give --upstream URL (a running llama-server) "
+            "or --model PATH|default (kvproxy starts llama-server)"
+        )
+
+    app = build_app(settings, upstream_url)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if server is not None:
+            await server.stop()
+        where = f"{settings.host}:{settings.port}"
+        raise SystemExit(f"kvproxy: cannot listen on {where}: {exc}") from None
+
+    shown_host = "localhost" if settings.host in ("127.0.0.1", "::1") else settings.host
+    log.info(
+        "kvproxy ready: point OpenAI clients at http://%s:%d/v1 (llama-server at %s, cache %s)",
+        shown_host,
+        settings.port,
+        upstream_url,
+        settings.cache_dir,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiters = [asyncio.create_task(stop.wait())]
+    if server is not None:
+        waiters.append(asyncio.create_task(server.wait()))
+    _done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+
+    exit_code = 0
+    if server is not None and server.process is not None and server.process.returncode is not None:
+        log.error("%s", server.death_message())
+        exit_code = 1
+    else:
+        log.info("shutting down: saving slots, then stopping")
+    await runner.cleanup()
+    if server is not None:
+        await server.stop()
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    server_args: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, server_args = args[:cut], args[cut + 1 :]
+    parsed = build_parser().parse_args(args)
+    cli = {k: v for k, v in vars(parsed).items() if k != "command"}
+    if server_args:
+        cli["server_args"] = server_args
+    if parsed.command == "serve":
+        settings = load_settings(cli)
+        setup_logging(settings.log_level)
+        try:
+            return asyncio.run(serve(settings))
+        except ServerError as exc:
+            print(f"kvproxy: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return 2
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

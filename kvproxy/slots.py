@@ -1,0 +1,159 @@
+"""The slot pool: what each llama-server slot holds, and who may touch it now.
+
+Every request the proxy forwards, and every save or restore, holds its slot exclusively:
+the server defers slot actions sent to a busy slot, and a deferred action can leave later
+completions hanging, so the proxy owns the order of everything that touches a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the wait queue is full, or the wait timed out."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class Holding:
+    """A conversation as it sits in a slot."""
+
+    namespace: str
+    chain: list[str]  # prefix keys; chain[-1] is the key of everything the slot holds
+    n_tokens: int
+    n_messages: int
+    messages: list[Any] = field(default_factory=list)  # as the client will echo them
+
+    @property
+    def key(self) -> str:
+        return self.chain[-1]
+
+
+@dataclass
+class Slot:
+    id: int
+    holding: Holding | None = None
+    saved: bool = True  # nothing in the slot that is not also on disk (or worth keeping)
+    busy: bool = False
+    last_used: float = 0.0
+    changed_at: float = 0.0
+    # (id_task, n_prompt_tokens) as GET /slots showed them right after our last use: if the
+    # server shows anything else later, someone else used or wiped the slot.
+    snapshot: tuple[Any, Any] | None = None
+
+    def shared_depth(self, keys: list[str], namespace: str) -> int:
+        holding = self.holding
+        if holding is None or holding.namespace != namespace:
+            return 0
+        depth = 0
+        for mine, theirs in zip(holding.chain, keys, strict=False):
+            if mine != theirs:
+                break
+            depth += 1
+        return depth
+
+    def forget(self) -> None:
+        self.holding = None
+        self.saved = True
+        self.snapshot = None
+
+    def hold(self, holding: Holding | None, saved: bool) -> None:
+        self.holding = holding
+        self.saved = saved
+        self.changed_at = time.monotonic()
+
+
+class SlotPool:
+    def __init__(self, n_slots: int, max_queue: int, queue_timeout: float) -> None:
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self._cond = asyncio.Condition()
+        self.waiting = 0
+        self._notifying: set[asyncio.Task[None]] = set()
+
+    def resize(self, n_slots: int) -> None:
+        if n_slots != len(self.slots):
+            self.slots = [Slot(i) for i in range(n_slots)]
+
+    def forget_all(self) -> None:
+        for slot in self.slots:
+            slot.forget()
+
+    def idle(self) -> list[Slot]:
+        return [s for s in self.slots if not s.busy]
+
+    def choose(self, keys: list[str], namespace: str) -> tuple[Slot, int]:
+        """An idle slot for a conversation, and how deep it already holds it.
+
+        The slot already holding the longest prefix wins (no disk I/O at all); else the least
+        recently used slot, preferring empty ones, then ones whose content is on disk.
+        """
+        idle = self.idle()
+        best = max(idle, key=lambda s: s.shared_depth(keys, namespace))
+        depth = best.shared_depth(keys, namespace)
+        if depth > 0:
+            return best, depth
+        return min(idle, key=lambda s: (s.holding is not None, not s.saved, s.last_used)), 0
+
+    async def acquire(
+        self, keys: list[str] | None = None, namespace: str = "", wanted: int | None = None
+    ) -> tuple[Slot, int]:
+        """Wait (bounded) for an idle slot and mark it busy. `wanted` asks for one slot id."""
+
+        def ready() -> bool:
+            if wanted is not None:
+                return not self.slots[wanted].busy
+            return any(not s.busy for s in self.slots)
+
+        async with self._cond:
+            if not ready():
+                if self.waiting >= self.max_queue:
+                    raise QueueFull("all slots are busy and the queue is full", 1)
+                self.waiting += 1
+                try:
+                    await asyncio.wait_for(self._cond.wait_for(ready), self.queue_timeout)
+                except TimeoutError:
+                    raise QueueFull(
+                        f"no slot became free within {self.queue_timeout:g}s", 5
+                    ) from None
+                finally:
+                    self.waiting -= 1
+            if wanted is not None:
+                slot, depth = self.slots[wanted], 0
+            else:
+                slot, depth = self.choose(keys or [], namespace)
+            slot.busy = True
+            return slot, depth
+
+    async def acquire_all(self) -> list[Slot]:
+        """Every slot, for requests whose slot the server chooses itself."""
+        taken: list[Slot] = []
+        try:
+            for slot in self.slots:
+                got, _ = await self.acquire(wanted=slot.id)
+                taken.append(got)
+        except BaseException:
+            for slot in taken:
+                self.release(slot)
+            raise
+        return taken
+
+    def release(self, slot: Slot) -> None:
+        """Sync, so it is safe in `finally` blocks of cancelled tasks."""
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        task = asyncio.get_running_loop().create_task(self._notify())
+        self._notifying.add(task)
+        task.add_done_callback(self._notifying.discard)
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()

@@ -1,0 +1,104 @@
+"""The one HTTP client to llama-server: raw forwarding for the proxy, JSON calls for the cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+class UpstreamError(Exception):
+    """llama-server could not be reached, or answered a JSON call with an error."""
+
+    def __init__(self, message: str, status: int | None = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class Upstream:
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # No total timeout: a long prefill or generation is normal. Reads may pause for a long
+        # prefill too, so only the connect phase is bounded.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, connect=30)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            timeout=timeout,
+            connector=connector,
+            auto_decompress=False,  # bytes pass through exactly as the server sent them
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            json_serialize=lambda obj: orjson.dumps(obj).decode(),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Upstream.start() was not awaited"
+        return self._session
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def url(self, path_qs: str) -> str:
+        return self.base_url + path_qs
+
+    async def call(
+        self,
+        method: str,
+        path_qs: str,
+        body: Any = None,
+        timeout: float | None = 120.0,
+    ) -> Any:
+        """A JSON request of the proxy's own; raises UpstreamError unless the reply is 2xx JSON."""
+        data = orjson.dumps(body) if body is not None else None
+        headers = self.auth_headers()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self.session.request(
+                method,
+                self.url(path_qs),
+                data=data,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                raw = await resp.read()
+                try:
+                    parsed = orjson.loads(raw) if raw else None
+                except orjson.JSONDecodeError:
+                    parsed = raw.decode("utf-8", "replace")
+                if resp.status >= 300:
+                    raise UpstreamError(
+                        f"{method} {path_qs} -> {resp.status}: {_error_message(parsed)}",
+                        resp.status,
+                        parsed,
+                    )
+                return parsed
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise UpstreamError(f"{method} {path_qs} failed: {exc or type(exc).__name__}") from exc
+
+    async def get_json(self, path_qs: str, timeout: float | None = 30.0) -> Any:
+        return await self.call("GET", path_qs, timeout=timeout)
+
+    async def post_json(self, path_qs: str, body: Any, timeout: float | None = 300.0) -> Any:
+        return await self.call("POST", path_qs, body, timeout=timeout)
+
+
+def _error_message(parsed: Any) -> str:
+    if isinstance(parsed, dict):
+        err = parsed.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+    return str(parsed)[:300]

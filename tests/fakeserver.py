@@ -1,0 +1,829 @@
+"""A fake llama-server for fast unit tests.
+
+It reproduces the behaviour of the real server that kvproxy depends on (see
+tools/server/server-context.cpp of llama.cpp): slot selection and id wrapping, the
+deferral of work sent to busy slots (including the way deferred tasks are popped again),
+prompt-cache reuse and `timings`, the slot save file format, restore failures erasing the
+slot, the reuse rules of SWA and recurrent models after a restore, SSE chunking and the
+error JSON shape. Tokens are bytes, so tests can reason about token counts exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from aiohttp import web
+
+BOS = 2
+EOS = 1
+BYTE_OFFSET = 10
+N_VOCAB = BYTE_OFFSET + 256
+N_BATCH = 512
+SLOT_PROMPT_SIMILARITY = 0.1
+
+STATE_MAGIC = 0x67677371  # "ggsq"
+STATE_VERSION = 4
+TOKENS_STATE_VERSION = 1
+KV_BYTES_PER_TOKEN = 16
+KV_MAGIC = 0x4B56
+SIDECAR_SUFFIX = ".ckpt"
+SIDECAR_SIZE = 384
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+REASONING_TEXT = "Let me think."
+TOOL_TRIGGER = "CALL_TOOL"
+TOOL_ARGUMENTS = {"x": 1}
+_TOOL_HEAD = re.compile(r'\s*\{"name": "([^"]+)", "arguments": ')
+
+ERROR_CODES = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "not_found_error": 404,
+    "server_error": 500,
+    "permission_error": 403,
+    "not_supported_error": 501,
+    "unavailable_error": 503,
+    "exceed_context_size_error": 400,
+}
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+
+Reuse = Literal["full", "none", "extend"]
+ReplyFn = Callable[[list[dict[str, Any]]], str]
+Json = dict[str, Any]
+
+
+class _RequestError(Exception):
+    """A request that the real server answers with an error JSON."""
+
+    def __init__(self, message: str, kind: str = "invalid_request_error", **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.extra = extra
+
+
+def error_json(message: str, kind: str, **extra: Any) -> Json:
+    return {"error": {"code": ERROR_CODES[kind], "message": message, "type": kind, **extra}}
+
+
+def error_response(message: str, kind: str = "invalid_request_error", **extra: Any) -> web.Response:
+    return web.json_response(error_json(message, kind, **extra), status=ERROR_CODES[kind])
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def tokenize(text: str, add_special: bool = False) -> list[int]:
+    """One token per UTF-8 byte (id = byte + 10); BOS (2) first when add_special."""
+    return ([BOS] if add_special else []) + [b + BYTE_OFFSET for b in text.encode()]
+
+
+def token_bytes(tokens: list[int]) -> bytes:
+    out = bytearray()
+    for tok in tokens:
+        if tok >= BYTE_OFFSET:
+            out.append(tok - BYTE_OFFSET)
+        elif tok == BOS:
+            out += b"<bos>"
+        elif tok == EOS:
+            out += b"<eos>"
+    return bytes(out)
+
+
+def detokenize(tokens: list[int]) -> str:
+    return token_bytes(tokens).decode(errors="replace")
+
+
+def tokenize_mixed(content: Any, add_special: bool) -> list[int]:
+    """Like the server's tokenize_mixed: a string, or a list of strings and token ids."""
+    if isinstance(content, str):
+        return tokenize(content, add_special)
+    if not isinstance(content, list):
+        raise _RequestError('"prompt" must be a string or an array of tokens')
+    out: list[int] = []
+    for i, item in enumerate(content):
+        if isinstance(item, str):
+            out += tokenize(item, add_special and i == 0)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            out.append(item)
+        else:
+            raise _RequestError("invalid prompt element")
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+# --------------------------------------------------------------------------- template
+
+
+def content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return "\n".join(parts)
+    raise _RequestError("Expected 'content' to be a string or an array")
+
+
+def render_chat(messages: list[Json], add_generation_prompt: bool = True) -> str:
+    """Gemma-like template; a trailing assistant message is continued (assistant prefill)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise _RequestError("'messages' must be an array of objects")
+    prefill = bool(messages) and messages[-1].get("role") == "assistant"
+    if prefill:
+        if len(messages) >= 2 and messages[-2].get("role") == "assistant":
+            raise _RequestError("Cannot have 2 or more assistant messages at the end of the list.")
+        if messages[-1].get("tool_calls"):
+            raise _RequestError("Cannot continue an assistant message that contains tool calls.")
+        add_generation_prompt = False
+    out: list[str] = []
+    for i, msg in enumerate(messages):
+        role = msg.get("role", "user")
+        role = "model" if role == "assistant" else role
+        text = content_text(msg.get("content"))
+        if msg.get("tool_calls"):
+            text += json.dumps(msg["tool_calls"], ensure_ascii=False)
+        end = "" if prefill and i == len(messages) - 1 else "<end_of_turn>\n"
+        out.append(f"<start_of_turn>{role}\n{text}{end}")
+    if add_generation_prompt:
+        out.append("<start_of_turn>model\n")
+    return "".join(out)
+
+
+def default_reply(messages: list[Json]) -> str:
+    users = [m for m in messages if m.get("role") == "user"]
+    text = content_text(users[-1].get("content")) if users else ""
+    return "Echo: " + text[:40]
+
+
+def validate_filename(name: str) -> bool:
+    """fs_validate_filename from common/common.cpp (without subdirectories)."""
+    if not name or len(name.encode()) > 255:
+        return False
+    for ch in name:
+        c = ord(ch)
+        if (
+            c <= 0x1F
+            or c == 0x7F
+            or 0x80 <= c <= 0x9F
+            or c in (0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF)
+            or 0xD800 <= c <= 0xDFFF
+            or ch in ':*?"<>|/\\'
+        ):
+            return False
+    if name[0] == " " or name[-1] in " .":
+        return False
+    return ".." not in name and name != "."
+
+
+# --------------------------------------------------------------------------- output parsing
+
+
+@dataclass
+class _Msg:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[tuple[str, str, str]] = field(default_factory=list)  # (id, name, arguments)
+
+
+def _strip_partial_tag(text: str, tag: str) -> str:
+    for i in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:i]):
+            return text[:-i]
+    return text
+
+
+def _json_value_prefix(text: str) -> str:
+    """The first JSON value of text if it is complete, else all of text."""
+    depth, in_str, esc = 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return text[: i + 1]
+    return text
+
+
+def parse_output(
+    raw: str, partial: bool, thinking: bool, tools: bool, call_id: Callable[[int], str]
+) -> _Msg:
+    """Split raw generated text into reasoning, content and tool calls like the chat parser."""
+    msg = _Msg()
+    body = raw
+    if thinking:
+        if body.startswith(THINK_OPEN):
+            rest = body[len(THINK_OPEN) :]
+            if THINK_CLOSE in rest:
+                msg.reasoning, body = rest.split(THINK_CLOSE, 1)
+            else:
+                msg.reasoning = _strip_partial_tag(rest, THINK_CLOSE) if partial else rest
+                body = ""
+        elif partial and THINK_OPEN.startswith(body):
+            body = ""
+    if tools and body.startswith(TOOL_OPEN):
+        inner = body[len(TOOL_OPEN) :]
+        head = _TOOL_HEAD.match(inner)
+        if head:
+            msg.tool_calls.append((call_id(0), head.group(1), _json_value_prefix(inner[head.end() :])))
+        return msg
+    if tools and partial and TOOL_OPEN.startswith(body):
+        return msg
+    msg.content = body
+    return msg
+
+
+def diff_msgs(prev: _Msg, new: _Msg) -> list[Json]:
+    """OpenAI deltas between two parsed messages (common_chat_msg_diff::compute_diffs)."""
+    deltas: list[Json] = []
+    if new.reasoning != prev.reasoning:
+        deltas.append({"reasoning_content": new.reasoning[len(prev.reasoning) :]})
+    if new.content != prev.content:
+        deltas.append({"content": new.content[len(prev.content) :]})
+    for idx, (cid, name, args) in enumerate(new.tool_calls):
+        call: Json = {"index": idx}
+        if idx < len(prev.tool_calls):
+            pid, pname, pargs = prev.tool_calls[idx]
+            if (pid, pname) != (cid, name):
+                call.update(id=cid, type="function")
+            if args == pargs and (pid, pname) == (cid, name):
+                continue
+            fn: Json = {"name": name} if (pid, pname) != (cid, name) else {}
+            if args[len(pargs) :]:
+                fn["arguments"] = args[len(pargs) :]
+        else:
+            call.update(id=cid, type="function")
+            fn = {"name": name}
+            if args:
+                fn["arguments"] = args
+        if fn:
+            call["function"] = fn
+        deltas.append({"tool_calls": [call]})
+    return deltas
+
+
+def message_json(msg: _Msg) -> Json:
+    out: Json = {"role": "assistant", "content": msg.content}
+    if msg.reasoning:
+        out["reasoning_content"] = msg.reasoning
+    if msg.tool_calls:
+        out["tool_calls"] = [
+            {"type": "function", "function": {"name": name, "arguments": args}, "id": cid}
+            for cid, name, args in msg.tool_calls
+        ]
+    return out
+
+
+# --------------------------------------------------------------------------- slots
+
+
+@dataclass(eq=False)
+class FakeSlot:
+    id: int
+    n_ctx: int
+    tokens: list[int] = field(default_factory=list)
+    id_task: int | None = None
+    is_processing: bool = False
+    restored: bool = False
+    t_last_used: float = -1.0
+    n_prompt_processed: int = 0
+    n_prompt_cached: int = 0
+    n_decoded: int = 0
+    n_predict: int = -1
+    params: Json = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.tokens = []
+        self.restored = False
+
+    def to_json(self) -> Json:
+        out: Json = {
+            "id": self.id,
+            "n_ctx": self.n_ctx,
+            "speculative": False,
+            "is_processing": self.is_processing,
+        }
+        if self.id_task is not None:
+            n_remain = -1 if self.n_predict < 0 else self.n_predict - self.n_decoded
+            out.update(
+                id_task=self.id_task,
+                n_prompt_tokens=len(self.tokens),
+                n_prompt_tokens_processed=self.n_prompt_processed,
+                n_prompt_tokens_cache=self.n_prompt_cached,
+                params=self.params,
+                next_token=[
+                    {
+                        "has_next_token": self.is_processing,
+                        "has_new_line": False,
+                        "n_remain": n_remain,
+                        "n_decoded": self.n_decoded,
+                    }
+                ],
+            )
+        return out
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """A task waiting in the server's queue: a completion or a slot action."""
+
+    id_slot: int  # as sent by the client (-1 = any); deferred tasks are matched on it
+    prompt: list[int]
+    future: asyncio.Future[Any]
+    action: Callable[[FakeSlot], tuple[int, Json]] | None = None
+
+
+@dataclass
+class _Job:
+    prompt: list[int]
+    generated: list[int]  # what the model would sample, ending with EOS
+    n_predict: int
+    id_slot: int
+    cache_prompt: bool
+    stream: bool
+    params: Json
+
+
+@dataclass
+class _Run:
+    """One completion task on a slot."""
+
+    slot: FakeSlot
+    job: _Job
+    cache_n: int = 0
+    sampled: list[int] = field(default_factory=list)
+    t_prompt_ms: float = 0.0
+    t_gen_ms: float = 0.0
+    released: bool = False
+
+    @property
+    def stopped_by_eos(self) -> bool:
+        return bool(self.sampled) and self.sampled[-1] == EOS
+
+    @property
+    def text_tokens(self) -> list[int]:
+        return [t for t in self.sampled if t != EOS]
+
+    def timings(self) -> Json:
+        prompt_n = len(self.job.prompt) - self.cache_n
+        predicted_n = len(self.sampled)
+        p_ms, g_ms = max(self.t_prompt_ms, 1e-3), max(self.t_gen_ms, 1e-3)
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": prompt_n,
+            "prompt_ms": self.t_prompt_ms,
+            "prompt_per_token_ms": p_ms / max(prompt_n, 1),
+            "prompt_per_second": 1e3 * prompt_n / p_ms,
+            "predicted_n": predicted_n,
+            "predicted_ms": self.t_gen_ms,
+            "predicted_per_token_ms": g_ms / max(predicted_n, 1),
+            "predicted_per_second": 1e3 * predicted_n / g_ms,
+        }
+
+    def usage(self) -> Json:
+        n_prompt, n_gen = len(self.job.prompt), len(self.sampled)
+        return {
+            "completion_tokens": n_gen,
+            "prompt_tokens": n_prompt,
+            "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": self.cache_n},
+        }
+
+
+def _wrap(id_slot: int, n_slots: int) -> int:
+    # the server computes `id_slot % slots.size()` with an unsigned size: -1 wraps too
+    return (id_slot % 2**64) % n_slots
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+# --------------------------------------------------------------------------- server
+
+
+class FakeLlamaServer:
+    """In-process fake of llama-server. Use `await start()`/`await stop()` or `async with`."""
+
+    def __init__(
+        self,
+        *,
+        n_slots: int = 2,
+        slot_save_path: Path | None = None,
+        n_ctx: int = 4096,
+        prompt_delay: float = 0.0,
+        token_delay: float = 0.0,
+        write_sidecar: bool = False,
+        api_key: str | None = None,
+        model_path: str = "/models/fake-model.gguf",
+        reuse: Reuse = "full",
+        wipe_idle_slots: bool = False,
+        reply: ReplyFn | None = None,
+    ) -> None:
+        if reuse not in ("full", "none", "extend"):
+            raise ValueError(f"unknown reuse rule {reuse!r}")
+        self.n_slots = n_slots
+        self.slot_save_path = Path(slot_save_path) if slot_save_path is not None else None
+        self.n_ctx = n_ctx
+        self.prompt_delay = prompt_delay
+        self.token_delay = token_delay
+        self.write_sidecar = write_sidecar
+        self.api_key = api_key
+        self.model_path = model_path
+        self.model_name = Path(model_path).name
+        self.reuse: Reuse = reuse
+        self.wipe_idle_slots = wipe_idle_slots
+        self.reply: ReplyFn = reply or default_reply
+
+        self.slots = [FakeSlot(id=i, n_ctx=n_ctx) for i in range(n_slots)]
+        self.requests: list[tuple[str, str, Any]] = []
+        self.actions: list[tuple[str, int, str | None, bool]] = []
+        self.deferred_actions = 0
+        self.deferred_tasks = 0
+        self.url = ""
+        self._deferred: list[_Ticket] = []
+        self._next_id = 0
+        self._runner: web.AppRunner | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> str:
+        app = web.Application(middlewares=[self._middleware])
+        r = app.router
+        r.add_get("/health", self._health)
+        r.add_get("/v1/health", self._health)
+        r.add_get("/props", self._props)
+        r.add_get("/models", self._models)
+        r.add_get("/v1/models", self._models)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_post("/detokenize", self._detokenize)
+        r.add_post("/apply-template", self._apply_template)
+        r.add_post("/completion", self._completion)
+        r.add_post("/completions", self._completion)
+        r.add_post("/v1/completions", self._completion_oai)
+        r.add_post("/chat/completions", self._chat)
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_get("/slots", self._get_slots)
+        r.add_post("/slots/{id_slot}", self._post_slot)
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(self._runner, sock, shutdown_timeout=0.5).start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        for ticket in self._deferred:
+            ticket.future.cancel()
+        self._deferred.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeLlamaServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _pick_slot(self, ticket: _Ticket) -> FakeSlot | None:
+        """get_available_slot(): a pinned slot (maybe busy), else LCP similarity, else LRU."""
+        if ticket.id_slot != -1:
+            return self.slots[_wrap(ticket.id_slot, self.n_slots)]
+        best, f_best = None, 0.0
+        for slot in self.slots:
+            if slot.is_processing or not slot.tokens or not ticket.prompt:
+                continue
+            f_sim = common_prefix(slot.tokens, ticket.prompt) / len(ticket.prompt)
+            if f_sim > f_best and f_sim > SLOT_PROMPT_SIMILARITY:
+                best, f_best = slot, f_sim
+        if best is not None:
+            return best
+        t_last = -1.0
+        for slot in self.slots:
+            if not slot.is_processing and (best is None or slot.t_last_used <= t_last):
+                best, t_last = slot, slot.t_last_used
+        return best
+
+    def _try_run(self, ticket: _Ticket) -> bool:
+        slot = self._pick_slot(ticket)
+        if slot is None or slot.is_processing:
+            return False
+        if ticket.action is not None:
+            ticket.future.set_result(ticket.action(slot))
+            return True
+        slot.is_processing = True
+        if self.wipe_idle_slots:
+            for other in self.slots:
+                if not other.is_processing:
+                    other.clear()
+        ticket.future.set_result(slot)
+        return True
+
+    def _defer(self, ticket: _Ticket) -> None:
+        self._deferred.append(ticket)
+        if ticket.action is not None:
+            self.deferred_actions += 1
+        else:
+            self.deferred_tasks += 1
+
+    async def _submit(self, ticket: _Ticket) -> Any:
+        if not self._try_run(ticket):
+            self._defer(ticket)
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            if ticket in self._deferred:
+                self._deferred.remove(ticket)
+            fut = ticket.future
+            if ticket.action is None and fut.done() and not fut.cancelled():
+                self._release(fut.result())
+            raise
+
+    def _release(self, slot: FakeSlot) -> None:
+        """server_slot::release() then server_queue::pop_deferred_task(slot.id)."""
+        if not slot.is_processing:
+            return
+        slot.is_processing = False
+        slot.t_last_used = time.monotonic()
+        slot.n_prompt_processed = slot.n_prompt_cached = slot.n_decoded = 0
+        slot.n_predict = -1
+        if not self._deferred:
+            return
+        ticket = next((t for t in self._deferred if t.id_slot == slot.id), self._deferred[0])
+        self._deferred.remove(ticket)
+        if ticket.future.done():
+            return
+        if not self._try_run(ticket):
+            self._defer(ticket)
+
+    # ----------------------------------------------------------------- middleware
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        body: Any = None
+        if request.can_read_body:
+            raw = await request.read()
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                body = raw.decode(errors="replace")
+        self.requests.append((request.method, request.path_qs, body))
+        if self.api_key is not None and request.path not in PUBLIC_PATHS:
+            key = request.headers.get("Authorization") or request.headers.get("X-Api-Key", "")
+            key = key.removeprefix("Bearer ")
+            if key != self.api_key:
+                return error_response("Invalid API Key", "authentication_error")
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
+            return error_response("File Not Found", "not_found_error")
+        except _RequestError as err:
+            return error_response(err.message, err.kind, **err.extra)
+
+    @staticmethod
+    async def _body(request: web.Request) -> Json:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as err:
+            raise _RequestError(f"[json.exception.parse_error] {err}") from err
+        if not isinstance(body, dict):
+            raise _RequestError("request body must be a JSON object")
+        return body
+
+    # ----------------------------------------------------------------- simple routes
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _props(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "default_generation_settings": {"params": {}, "n_ctx": self.n_ctx},
+                "total_slots": self.n_slots,
+                "model_alias": self.model_name,
+                "model_path": self.model_path,
+                "chat_template": "fake",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "build_info": "fake",
+                "is_sleeping": False,
+            }
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        info = {
+            "id": self.model_name,
+            "aliases": [],
+            "tags": [],
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "llamacpp",
+            "meta": {"n_vocab": N_VOCAB, "n_ctx": self.n_ctx, "n_ctx_train": self.n_ctx},
+        }
+        models = [{"name": self.model_name, "model": self.model_name, "type": "model"}]
+        return web.json_response({"models": models, "object": "list", "data": [info]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens: list[Any] = []
+        if "content" in body:
+            tokens = tokenize_mixed(body["content"], bool(body.get("add_special", False)))
+            if body.get("with_pieces", False):
+                tokens = [{"id": t, "piece": detokenize([t])} for t in tokens]
+        return web.json_response({"tokens": tokens})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return web.json_response({"content": detokenize(list(body.get("tokens", [])))})
+
+    async def _apply_template(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        add_gen = bool(body.get("add_generation_prompt", True))
+        return web.json_response({"prompt": render_chat(body.get("messages", []), add_gen)})
+
+    async def _get_slots(self, request: web.Request) -> web.Response:
+        if request.query.get("fail_on_no_slot") and all(s.is_processing for s in self.slots):
+            return error_response("no slot available", "unavailable_error")
+        return web.json_response([slot.to_json() for slot in self.slots])
+
+    # ----------------------------------------------------------------- slot actions
+
+    async def _post_slot(self, request: web.Request) -> web.Response:
+        if self.slot_save_path is None:
+            return error_response(
+                "This server does not support slots action. Start it with `--slot-save-path`",
+                "not_supported_error",
+            )
+        action = request.query.get("action", "")
+        try:
+            id_slot = int(request.match_info["id_slot"])
+        except ValueError:
+            return error_response("Invalid slot ID")
+        filename: str | None = None
+        if action in ("save", "restore"):
+            filename = (await self._body(request)).get("filename")
+            if not isinstance(filename, str):
+                return error_response("[json.exception.out_of_range.403] key 'filename' not found")
+            if not validate_filename(filename):
+                self.actions.append((action, _wrap(id_slot, self.n_slots), filename, False))
+                return error_response("Invalid filename")
+        run: Callable[[FakeSlot], tuple[int, Json]]
+        if action == "save":
+            assert filename is not None
+            run = lambda slot: self._save(slot, id_slot, filename)  # noqa: E731
+        elif action == "restore":
+            assert filename is not None
+            run = lambda slot: self._restore(slot, id_slot, filename)  # noqa: E731
+        elif action == "erase":
+            run = lambda slot: self._erase(slot, id_slot)  # noqa: E731
+        else:
+            return error_response("Invalid action")
+        loop = asyncio.get_running_loop()
+        ticket = _Ticket(id_slot=-1, prompt=[], future=loop.create_future(), action=run)
+        # the action is pinned to its slot, but the queue matches deferred tasks on the
+        # task's own id_slot, which slot actions leave at -1
+        ticket_slot = _wrap(id_slot, self.n_slots)
+        ticket.action = lambda _slot: run(self.slots[ticket_slot])
+        self._pin_action(ticket, ticket_slot)
+        status, payload = await self._submit(ticket)
+        self.actions.append((action, ticket_slot, filename, status == 200))
+        return web.json_response(payload, status=status)
+
+    def _pin_action(self, ticket: _Ticket, slot_id: int) -> None:
+        # _pick_slot() must see the target slot, not "any": stash it in the prompt field
+        ticket.prompt = [slot_id]
+        ticket.id_slot = -1
+        ticket.__dict__["target"] = slot_id
+
+    def _save(self, slot: FakeSlot, id_slot: int, filename: str) -> tuple[int, Json]:
+        assert self.slot_save_path is not None
+        t0 = time.perf_counter()
+        path = self.slot_save_path / filename
+        n = len(slot.tokens)
+        words = [-1, TOKENS_STATE_VERSION, n, *slot.tokens, 0]
+        kv = struct.pack("<I", n) + b"".join(
+            struct.pack("<4i", tok, pos, tok ^ pos, KV_MAGIC) for pos, tok in enumerate(slot.tokens)
+        )
+        data = struct.pack(f"<III{len(words)}i", STATE_MAGIC, STATE_VERSION, len(words), *words)
+        data += kv
+        try:
+            path.write_bytes(data)
+            if self.write_sidecar:
+                side = b"FAKECKPT" + struct.pack("<I", n)
+                Path(str(path) + SIDECAR_SUFFIX).write_bytes(side.ljust(SIDECAR_SIZE, b"\0"))
+        except OSError:
+            return 500, error_json("Unable to save slot", "server_error")
+        return 200, {
+            "id_slot": id_slot,
+            "filename": filename,
+            "n_saved": n,
+            "n_written": len(data),
+            "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+        }
+
+    def _read_state(self, path: Path, n_ctx: int) -> tuple[list[int], int]:
+        """llama_state_seq_load_file + server_tokens::deserialize; raises ValueError."""
+        bad_file = "No available space in KV cache or invalid slot save file"
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise ValueError(bad_file) from err
+        if len(data) < 12:
+            raise ValueError(bad_file)
+        magic, version, n_words = struct.unpack_from("<III", data, 0)
+        if magic != STATE_MAGIC or version != STATE_VERSION or 12 + 4 * n_words > len(data):
+            raise ValueError(bad_file)
+        words = list(struct.unpack_from(f"<{n_words}i", data, 12))
+        off = 12 + 4 * n_words
+        if len(data) < off + 4:
+            raise ValueError(bad_file)
+        (n_cells,) = struct.unpack_from("<I", data, off)
+        kv_end = off + 4 + KV_BYTES_PER_TOKEN * n_cells
+        if len(data) < kv_end or n_cells > n_ctx:
+            raise ValueError(bad_file)
+        if words and words[0] == -1:
+            if len(words) < 3 or words[1] != TOKENS_STATE_VERSION:
+                raise ValueError("Unsupported server tokens state version")
+            n_tok = words[2]
+            if n_tok < 0 or len(words) < 4 + n_tok:
+                raise ValueError("Cannot read server tokens state")
+            tokens = words[3 : 3 + n_tok]
+            if words[3 + n_tok] != 0:
+                raise ValueError("Cannot restore media tokens without an mmproj")
+            if len(words) > 4 + n_tok:
+                raise ValueError("Trailing data in server tokens state")
+        else:
+            tokens = words  # plain token list, as written by older servers
+        if n_cells != len(tokens):
+            raise ValueError(bad_file)
+        if len(tokens) > n_ctx:
+            raise ValueError("Restored prompt does not fit in the slot context")
+        if any(not 0 <= t < N_VOCAB for t in tokens):
+            raise ValueError("Invalid tokens in slot save file")
+        if self.write_sidecar and not Path(str(path) + SIDECAR_SUFFIX).is_file():
+            raise ValueError("failed to load context checkpoints")
+        return tokens, kv_end
+
+    def _restore(self, slot: FakeSlot, id_slot: int, filename: str) -> tuple[int, Json]:
+        assert self.slot_save_path is not None
+        t0 = time.perf_counter()
+        try:
+            tokens, n_read = self._read_state(self.slot_save_path / filename, slot.n_ctx)
+        except ValueError as err:
+            slot.clear()
+            return 400, error_json(f"Unable to restore slot: {err}", "invalid_request_error")
+        slot.tokens = tokens
+        slot.restored = True
+        return 200, {
+            "id_slot": id_slot,
+            "filename": filename,
+            "n_restored": len(tokens),
+            "n_read": n_read,
+            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+        }
+
+    def _erase(self, slot: FakeSlot, id_slot: int) -> tuple[int, Json]:
+        n_erased = len(slot.tokens)
+        slot.clear()
+        return 200, {"id_slot": id_slot, "n_erased": n_erased}
