@@ -15,9 +15,10 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -32,6 +33,8 @@ from .store import Entry, Store
 from .upstream import Upstream, UpstreamError
 
 log = logging.getLogger("kvproxy.cache")
+
+_T = TypeVar("_T")
 
 HOUSEKEEPING_INTERVAL = 1.0
 PROPS_CHECK_INTERVAL = 15.0
@@ -202,37 +205,41 @@ class ConversationCache:
             slot, _ = await self.pool.acquire(plan.keys, plan.namespace)
         except QueueFull as exc:
             return _busy(exc)
-        reply = None
+        lease = _Lease(self, [slot])
         try:
-            try:
-                decision, headers = await self._prepare(slot, plan)
-            except UpstreamError as exc:
-                # The cache could not do its part; the request still goes through, uncached.
-                log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
-                slot.forget()
-                decision, headers = "miss", {"X-KVProxy-Cache": "miss"}
+            decision, headers = await lease.guarded(self._prepare_or_miss(slot, plan))
             self.stats.requests[decision] += 1
             plan.payload["id_slot"] = slot.id
             capture = ReplyCapture(streaming=bool(plan.payload.get("stream")))
-            result = await relay(
-                request,
-                self.upstream,
-                path_qs,
-                orjson.dumps(plan.payload),
-                body_replaced=True,
-                extra_headers=headers,
-                tap=capture.feed,
-            )
-            if result.complete and result.status == 200:
-                reply = capture.finish()
-            await self._after_reply(slot, plan, reply)
+            try:
+                result = await relay(
+                    request,
+                    self.upstream,
+                    path_qs,
+                    orjson.dumps(plan.payload),
+                    body_replaced=True,
+                    extra_headers=headers,
+                    tap=capture.feed,
+                )
+            except BaseException:
+                slot.forget()  # cut off mid-reply: the slot holds something we cannot name
+                raise
+            reply = capture.finish() if result.complete and result.status == 200 else None
+            # The client has its whole reply; the bookkeeping goes on without it.
+            lease.hand_off(self._after_reply(slot, plan, reply))
             self._log_request(plan, slot, decision, headers, reply, result.status)
             return result.response
-        except BaseException:
-            slot.forget()
-            raise
         finally:
-            self.pool.release(slot)
+            lease.release()
+
+    async def _prepare_or_miss(self, slot: Slot, plan: Plan) -> tuple[str, dict[str, str]]:
+        try:
+            return await self._prepare(slot, plan)
+        except UpstreamError as exc:
+            # The cache could not do its part; the request still goes through, uncached.
+            log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
+            slot.forget()
+            return "miss", {"X-KVProxy-Cache": "miss"}
 
     async def handle_pinned(self, request: web.Request, path_qs: str) -> web.StreamResponse:
         body = await request.read()
@@ -252,10 +259,12 @@ class ConversationCache:
             slot, _ = await self.pool.acquire()
         except QueueFull as exc:
             return _busy(exc)
+        lease = _Lease(self, [slot])
         try:
-            await self._clear_for_foreign_use(slot)
+            await lease.guarded(self._clear_for_foreign_use(slot))
             self.stats.requests["bypass"] += 1
             payload["id_slot"] = slot.id
+            slot.forget()
             result = await relay(
                 request,
                 self.upstream,
@@ -264,15 +273,9 @@ class ConversationCache:
                 body_replaced=True,
                 extra_headers={"X-KVProxy-Cache": "bypass"},
             )
-            slot.forget()
-            with contextlib.suppress(UpstreamError):
-                await self._snapshot(slot)
             return result.response
-        except BaseException:
-            slot.forget()
-            raise
         finally:
-            self.pool.release(slot)
+            lease.release()
 
     async def handle_unpinnable(self, request: web.Request, path_qs: str) -> web.StreamResponse:
         """Routes that ignore `id_slot` (e.g. /v1/messages): the server picks a slot itself, so
@@ -284,41 +287,35 @@ class ConversationCache:
             taken = await self.pool.acquire_all()
         except QueueFull as exc:
             return _busy(exc)
+        lease = _Lease(self, taken)
         try:
             for slot in taken:
-                await self._clear_for_foreign_use(slot)
+                await lease.guarded(self._clear_for_foreign_use(slot))
             self.stats.requests["bypass"] += 1
-            result = await relay(
-                request,
-                self.upstream,
-                path_qs,
-                body,
-                body_replaced=True,
-                extra_headers={"X-KVProxy-Cache": "bypass"},
-            )
-            for slot in taken:
-                try:
-                    await self._verify(slot)
-                except UpstreamError:
+            try:
+                result = await relay(
+                    request,
+                    self.upstream,
+                    path_qs,
+                    body,
+                    body_replaced=True,
+                    extra_headers={"X-KVProxy-Cache": "bypass"},
+                )
+            except BaseException:
+                for slot in taken:
                     slot.forget()
+                raise
+            lease.hand_off(self._reverify(taken))
             return result.response
-        except BaseException:
-            for slot in taken:
-                slot.forget()
-            raise
         finally:
-            for slot in taken:
-                self.pool.release(slot)
+            lease.release()
 
-    async def _clear_for_foreign_use(self, slot: Slot) -> None:
-        """Before a request the cache does not key uses the slot: keep what would be lost."""
-        try:
-            await self._verify(slot)
-            if self._worth_saving(slot):
-                await self._save(slot)
-        except UpstreamError as exc:
-            log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
-            slot.forget()
+    async def _reverify(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            try:
+                await self._verify(slot)
+            except UpstreamError:
+                slot.forget()
 
     async def _forward_unpinned(
         self, request: web.Request, path_qs: str, body: bytes
@@ -556,12 +553,14 @@ class ConversationCache:
             await self._snapshot(slot)
             if self.settings.write_through and self._worth_saving(slot):
                 await self._save(slot)
-        except UpstreamError as exc:
+        except Exception as exc:  # runs detached: nobody else would see it
             log.warning("after the reply on slot %d: %s", slot.id, exc)
             slot.forget()
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
+        self._track(asyncio.ensure_future(coro))
+
+    def _track(self, task: asyncio.Future[Any]) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -605,6 +604,43 @@ class ConversationCache:
                 for s in self.pool.slots
             ],
         }
+
+
+class _Lease:
+    """The slots one request holds. Slot work it starts (saves, restores, bookkeeping) must
+    finish even if the client hangs up, so that work, once started, releases the slots."""
+
+    def __init__(self, cache: ConversationCache, slots: list[Slot]) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.released = False
+
+    async def guarded(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        task = asyncio.ensure_future(coro)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._release_after(task)
+            raise
+
+    def hand_off(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._release_after(asyncio.ensure_future(coro))
+
+    def _release_after(self, task: asyncio.Future[Any]) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.cache._track(task)
+        task.add_done_callback(lambda _t: self._free())
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._free()
+
+    def _free(self) -> None:
+        for slot in self.slots:
+            self.cache.pool.release(slot)
 
 
 def _busy(exc: QueueFull) -> web.Response:

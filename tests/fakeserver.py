@@ -11,6 +11,7 @@ error JSON shape. Tokens are bytes, so tests can reason about token counts exact
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hashlib
 import json
 import re
@@ -139,7 +140,9 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        parts = [
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        ]
         return "\n".join(parts)
     raise _RequestError("Expected 'content' to be a string or an array")
 
@@ -254,7 +257,9 @@ def parse_output(
         inner = body[len(TOOL_OPEN) :]
         head = _TOOL_HEAD.match(inner)
         if head:
-            msg.tool_calls.append((call_id(0), head.group(1), _json_value_prefix(inner[head.end() :])))
+            msg.tool_calls.append(
+                (call_id(0), head.group(1), _json_value_prefix(inner[head.end() :]))
+            )
         return msg
     if tools and partial and TOOL_OPEN.startswith(body):
         return msg
@@ -356,10 +361,11 @@ class FakeSlot:
 class _Ticket:
     """A task waiting in the server's queue: a completion or a slot action."""
 
-    id_slot: int  # as sent by the client (-1 = any); deferred tasks are matched on it
+    id_slot: int  # the task's id_slot (-1 = any); deferred tasks are matched on it
     prompt: list[int]
     future: asyncio.Future[Any]
     action: Callable[[FakeSlot], tuple[int, Json]] | None = None
+    target: int | None = None  # slot index of a slot action (its id_slot stays -1)
 
 
 @dataclass
@@ -426,6 +432,197 @@ def _wrap(id_slot: int, n_slots: int) -> int:
 
 def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+# --------------------------------------------------------------------------- reply formats
+
+
+class _Format:
+    """Turns a completion run into the JSON of one endpoint (stream chunks and final)."""
+
+    done_marker = True  # OpenAI-compatible streams end with `data: [DONE]`
+
+    def __init__(self, model: str, cmpl_id: str) -> None:
+        self.model = model
+        self.cmpl_id = cmpl_id
+        self.created = int(time.time())
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def feed(self, tok: int) -> str | None:
+        """New text of a sampled token; None while a UTF-8 sequence is incomplete."""
+        if tok == EOS:
+            return ""
+        piece = self._decoder.decode(bytes([tok - BYTE_OFFSET]))
+        if not piece:
+            return None
+        self.text += piece
+        return piece
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        raise NotImplementedError
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        raise NotImplementedError
+
+    def final(self, run: _Run) -> Json:
+        raise NotImplementedError
+
+    def finish_reason(self, run: _Run, tool_calls: bool = False) -> str:
+        if not run.stopped_by_eos:
+            return "length"
+        return "tool_calls" if tool_calls else "stop"
+
+
+class _CompletionFormat(_Format):
+    """Native /completion replies (no [DONE] at the end of a stream)."""
+
+    done_marker = False
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        piece = self.feed(tok)
+        if piece is None:
+            return []
+        return [
+            {
+                "index": 0,
+                "content": piece,
+                "tokens": [],
+                "stop": False,
+                "id_slot": run.slot.id,
+                "tokens_predicted": len(run.sampled),
+                "tokens_evaluated": len(run.job.prompt),
+            }
+        ]
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        return [self._final(run, "")]
+
+    def final(self, run: _Run) -> Json:
+        return self._final(run, detokenize(run.text_tokens))
+
+    def _final(self, run: _Run, content: str) -> Json:
+        return {
+            "index": 0,
+            "content": content,
+            "tokens": [],
+            "id_slot": run.slot.id,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": len(run.sampled),
+            "tokens_evaluated": len(run.job.prompt),
+            "generation_settings": run.job.params,
+            "prompt": detokenize(run.job.prompt),
+            "has_new_line": "\n" in content,
+            "truncated": False,
+            "stop_type": "eos" if run.stopped_by_eos else "limit",
+            "stopping_word": "",
+            "tokens_cached": len(run.job.prompt) + max(len(run.sampled) - 1, 0),
+            "timings": run.timings(),
+        }
+
+
+class _OaiCompletionFormat(_Format):
+    """/v1/completions replies (object text_completion)."""
+
+    def _obj(self, text: str, finish_reason: str | None) -> Json:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "choices": [choice],
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "fake",
+            "object": "text_completion",
+            "id": self.cmpl_id,
+        }
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        piece = self.feed(tok)
+        return [] if piece is None else [self._obj(piece, None)]
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        out = self._obj("", self.finish_reason(run))
+        return [{**out, "usage": run.usage(), "timings": run.timings()}]
+
+    def final(self, run: _Run) -> Json:
+        out = self._obj(detokenize(run.text_tokens), self.finish_reason(run))
+        return {**out, "usage": run.usage(), "timings": run.timings()}
+
+
+class _ChatFormat(_Format):
+    """/v1/chat/completions replies, with reasoning and tool-call parsing."""
+
+    def __init__(
+        self,
+        model: str,
+        cmpl_id: str,
+        *,
+        thinking: bool,
+        tools: bool,
+        call_id: Callable[[int], str],
+        include_usage: bool,
+    ) -> None:
+        super().__init__(model, cmpl_id)
+        self.thinking = thinking
+        self.tools = tools
+        self.call_id = call_id
+        self.include_usage = include_usage
+        self.prev = _Msg()
+
+    def parse(self, partial: bool) -> _Msg:
+        return parse_output(self.text, partial, self.thinking, self.tools, self.call_id)
+
+    def _chunk(self, delta: Json | None, finish_reason: str | None = None) -> Json:
+        choices = (
+            [] if delta is None else [{"finish_reason": finish_reason, "index": 0, "delta": delta}]
+        )
+        return {
+            "choices": choices,
+            "created": self.created,
+            "id": self.cmpl_id,
+            "model": self.model,
+            "system_fingerprint": "fake",
+            "object": "chat.completion.chunk",
+        }
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        if self.feed(tok) is None:
+            return []
+        deltas: list[Json] = []
+        if len(run.sampled) == 1:
+            deltas.append({"role": "assistant", "content": None})
+        cur = self.parse(partial=True)
+        deltas += diff_msgs(self.prev, cur)
+        self.prev = cur
+        return [self._chunk(d) for d in deltas]
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        msg = self.parse(partial=False)
+        out = [self._chunk(d) for d in diff_msgs(self.prev, msg)]
+        out.append(self._chunk({}, self.finish_reason(run, bool(msg.tool_calls))))
+        if self.include_usage:
+            out.append({**self._chunk(None), "usage": run.usage()})
+        out[-1]["timings"] = run.timings()
+        return out
+
+    def final(self, run: _Run) -> Json:
+        self.text = detokenize(run.text_tokens)
+        msg = self.parse(partial=False)
+        choice = {
+            "finish_reason": self.finish_reason(run, bool(msg.tool_calls)),
+            "index": 0,
+            "message": message_json(msg),
+        }
+        return {
+            "choices": [choice],
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "fake",
+            "object": "chat.completion",
+            "usage": run.usage(),
+            "id": self.cmpl_id,
+            "timings": run.timings(),
+        }
 
 
 # --------------------------------------------------------------------------- server
@@ -500,7 +697,7 @@ class FakeLlamaServer:
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
-        await web.SockSite(self._runner, sock, shutdown_timeout=0.5).start()
+        await web.SockSite(self._runner, sock).start()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return self.url
 
@@ -527,6 +724,8 @@ class FakeLlamaServer:
 
     def _pick_slot(self, ticket: _Ticket) -> FakeSlot | None:
         """get_available_slot(): a pinned slot (maybe busy), else LCP similarity, else LRU."""
+        if ticket.target is not None:
+            return self.slots[ticket.target]
         if ticket.id_slot != -1:
             return self.slots[_wrap(ticket.id_slot, self.n_slots)]
         best, f_best = None, 0.0
@@ -719,22 +918,14 @@ class FakeLlamaServer:
             run = lambda slot: self._erase(slot, id_slot)  # noqa: E731
         else:
             return error_response("Invalid action")
-        loop = asyncio.get_running_loop()
-        ticket = _Ticket(id_slot=-1, prompt=[], future=loop.create_future(), action=run)
-        # the action is pinned to its slot, but the queue matches deferred tasks on the
-        # task's own id_slot, which slot actions leave at -1
-        ticket_slot = _wrap(id_slot, self.n_slots)
-        ticket.action = lambda _slot: run(self.slots[ticket_slot])
-        self._pin_action(ticket, ticket_slot)
+        # the queue matches deferred tasks on the task's id_slot, which slot actions leave at
+        # -1: a deferred action is only popped when no deferred task names the freed slot
+        target = _wrap(id_slot, self.n_slots)
+        future = asyncio.get_running_loop().create_future()
+        ticket = _Ticket(id_slot=-1, prompt=[], future=future, action=run, target=target)
         status, payload = await self._submit(ticket)
-        self.actions.append((action, ticket_slot, filename, status == 200))
+        self.actions.append((action, target, filename, status == 200))
         return web.json_response(payload, status=status)
-
-    def _pin_action(self, ticket: _Ticket, slot_id: int) -> None:
-        # _pick_slot() must see the target slot, not "any": stash it in the prompt field
-        ticket.prompt = [slot_id]
-        ticket.id_slot = -1
-        ticket.__dict__["target"] = slot_id
 
     def _save(self, slot: FakeSlot, id_slot: int, filename: str) -> tuple[int, Json]:
         assert self.slot_save_path is not None
@@ -827,3 +1018,175 @@ class FakeLlamaServer:
         n_erased = len(slot.tokens)
         slot.clear()
         return 200, {"id_slot": id_slot, "n_erased": n_erased}
+
+    # ----------------------------------------------------------------- completions
+
+    def _job(self, body: Json, prompt: list[int], reply: str, *limit_keys: str) -> _Job:
+        if not prompt:
+            raise _RequestError("empty prompt")
+        if any(not 0 <= t < N_VOCAB for t in prompt):
+            raise _RequestError("Prompt contains invalid tokens")
+        n_predict = -1
+        for key in limit_keys:
+            if body.get(key) is not None:
+                n_predict = int(body[key])
+                break
+        stream = bool(body.get("stream", False))
+        return _Job(
+            prompt=prompt,
+            generated=[*tokenize(reply), EOS],
+            n_predict=n_predict,
+            id_slot=int(body.get("id_slot", -1)),
+            cache_prompt=bool(body.get("cache_prompt", True)),
+            stream=stream,
+            params={"n_predict": n_predict, "stream": stream, "id_slot": body.get("id_slot", -1)},
+        )
+
+    async def _launch(self, job: _Job) -> _Run:
+        """Queue the task, get its slot and decide how much of the prompt is reused."""
+        future = asyncio.get_running_loop().create_future()
+        slot: FakeSlot = await self._submit(_Ticket(job.id_slot, job.prompt, future))
+        run = _Run(slot=slot, job=job)
+        slot.id_task = self._new_id()
+        slot.n_predict, slot.params = job.n_predict, job.params
+        n_prompt = len(job.prompt)
+        if n_prompt >= slot.n_ctx:
+            self._finish(run)
+            raise _RequestError(
+                f"request ({n_prompt} tokens) exceeds the available context size "
+                f"({slot.n_ctx} tokens), try increasing it",
+                "exceed_context_size_error",
+                n_prompt_tokens=n_prompt,
+                n_ctx=slot.n_ctx,
+            )
+        n_past = common_prefix(slot.tokens, job.prompt) if job.cache_prompt else 0
+        if slot.restored and n_past > 0:
+            extends = n_past == len(slot.tokens) and n_prompt > len(slot.tokens)
+            if self.reuse == "none" or (self.reuse == "extend" and not extends):
+                n_past = 0  # no context checkpoint to go back to after a restore
+        n_past = min(n_past, n_prompt - 1)  # at least one token is always evaluated
+        slot.restored = False
+        slot.tokens = slot.tokens[:n_past]
+        slot.n_prompt_cached, slot.n_prompt_processed, slot.n_decoded = n_past, 0, 0
+        run.cache_n = n_past
+        return run
+
+    async def _prefill(self, run: _Run) -> None:
+        t0 = time.perf_counter()
+        rest = run.job.prompt[run.cache_n :]
+        for i in range(0, len(rest), N_BATCH):
+            chunk = rest[i : i + N_BATCH]
+            if self.prompt_delay > 0:
+                await asyncio.sleep(self.prompt_delay * len(chunk))
+            run.slot.tokens.extend(chunk)
+            run.slot.n_prompt_processed += len(chunk)
+        run.t_prompt_ms = (time.perf_counter() - t0) * 1e3
+
+    async def _generate(self, run: _Run) -> AsyncIterator[int]:
+        """Sample the planned tokens; the KV holds each sampled token but the last one."""
+        job, slot = run.job, run.slot
+        n_max = len(job.generated) if job.n_predict < 0 else max(job.n_predict, 1)
+        t0 = time.perf_counter()
+        for tok in job.generated[:n_max]:
+            if self.token_delay > 0:
+                await asyncio.sleep(self.token_delay)
+            if run.sampled:
+                slot.tokens.append(run.sampled[-1])
+            run.sampled.append(tok)
+            slot.n_decoded += 1
+            run.t_gen_ms = (time.perf_counter() - t0) * 1e3
+            yield tok
+            if len(job.prompt) + len(run.sampled) >= slot.n_ctx:
+                break  # out of context: stops like a length limit
+
+    def _finish(self, run: _Run) -> None:
+        if not run.released:
+            run.released = True
+            self._release(run.slot)
+
+    async def _drive(self, request: web.Request, job: _Job, fmt: _Format) -> web.StreamResponse:
+        run = await self._launch(job)
+        try:
+            resp: web.StreamResponse | None = None
+            if job.stream:  # headers go out as soon as the task is on a slot
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await resp.prepare(request)
+            await self._prefill(run)
+            async for tok in self._generate(run):
+                if resp is not None:
+                    for event in fmt.partial(run, tok):
+                        await resp.write(_sse(event))
+            self._finish(run)  # the slot is idle before the client sees the end
+            if resp is None:
+                return web.json_response(fmt.final(run))
+            for event in fmt.final_stream(run):
+                await resp.write(_sse(event))
+            if fmt.done_marker:
+                await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self._finish(run)
+
+    def _cmpl_id(self) -> str:
+        return f"chatcmpl-fake{self._next_id + 1:019d}"
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if "prompt" not in body:
+            raise _RequestError('"prompt" is required')
+        prompt = tokenize_mixed(body["prompt"], add_special=True)
+        reply = self.reply(
+            [{"role": "user", "content": token_bytes(prompt).decode("utf-8", "replace")}]
+        )
+        job = self._job(body, prompt, reply, "n_predict", "max_tokens")
+        return await self._drive(request, job, _CompletionFormat(self.model_name, self._cmpl_id()))
+
+    async def _completion_oai(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if "prompt" not in body:
+            raise _RequestError('"prompt" is required')
+        prompt = tokenize_mixed(body["prompt"], add_special=True)
+        reply = self.reply(
+            [{"role": "user", "content": token_bytes(prompt).decode("utf-8", "replace")}]
+        )
+        job = self._job(body, prompt, reply, "n_predict", "max_tokens")
+        fmt = _OaiCompletionFormat(self.model_name, f"cmpl-fake{self._next_id + 1:019d}")
+        return await self._drive(request, job, fmt)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _RequestError("'messages' is required and must be a non-empty array")
+        text = render_chat(messages, bool(body.get("add_generation_prompt", True)))
+        prompt = tokenize(text, add_special=True)
+        tools = body.get("tools") or []
+        use_tools = bool(tools) and body.get("tool_choice") != "none"
+        kwargs = body.get("chat_template_kwargs") or {}
+        thinking = kwargs.get("enable_thinking") is True
+        raw = THINK_OPEN + REASONING_TEXT + THINK_CLOSE if thinking else ""
+        last = messages[-1]
+        if (
+            use_tools
+            and last.get("role") == "user"
+            and TOOL_TRIGGER in content_text(last.get("content"))
+        ):
+            name = (tools[0].get("function") or {}).get("name", "tool")
+            call = json.dumps({"name": name, "arguments": TOOL_ARGUMENTS})
+            raw += f"{TOOL_OPEN}\n{call}\n{TOOL_CLOSE}"
+        else:
+            raw += self.reply(messages)
+        job = self._job(body, prompt, raw, "n_predict", "max_completion_tokens", "max_tokens")
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        fmt = _ChatFormat(
+            self.model_name,
+            self._cmpl_id(),
+            thinking=thinking and body.get("reasoning_format") != "none",
+            tools=use_tools,
+            call_id=lambda i: f"call_{digest[:20]}{i:04d}",
+            include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+        )
+        return await self._drive(request, job, fmt)

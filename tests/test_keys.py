@@ -1,0 +1,110 @@
+"""Conversation keys: equal prompts share keys, anything that changes the prompt does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvproxy import keys
+
+
+def chain(messages: list[dict], request: dict | None = None, tenant: str | None = None):
+    ns = keys.namespace("model-a", request or {}, tenant)
+    return keys.chain(ns, messages)
+
+
+SYSTEM = {"role": "system", "content": "You are helpful."}
+USER = {"role": "user", "content": "Hello"}
+
+
+def test_every_message_boundary_has_a_prefix_key() -> None:
+    turn1 = chain([SYSTEM, USER])
+    reply = {"role": "assistant", "content": "Hi!"}
+    turn2 = chain([SYSTEM, USER, reply, {"role": "user", "content": "More"}])
+    assert len(turn2) == 4
+    assert turn2[:2] == turn1
+    assert keys.extend(turn1[-1], reply) == turn2[2]
+    assert all(keys.is_key(k) for k in turn2)
+
+
+def test_empty_content_forms_are_the_same() -> None:
+    forms = [None, "", []]
+    results = {tuple(chain([{"role": "assistant", "content": f}])) for f in forms}
+    assert len(results) == 1
+
+
+def test_text_parts_key_like_the_joined_string() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert chain([{"role": "user", "content": parts}]) == chain(
+        [{"role": "user", "content": "a\nb"}]
+    )
+    image = [{"type": "image_url", "image_url": {"url": "data:x"}}]
+    assert chain([{"role": "user", "content": image}]) != chain([{"role": "user", "content": ""}])
+
+
+def test_tool_call_arguments_compare_as_json() -> None:
+    def call(args: str) -> dict:
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+            ],
+        }
+
+    assert chain([call('{"x":1}')]) == chain([call('{"x": 1}')])
+    assert chain([call('{"x":1}')]) != chain([call('{"x":2}')])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"reasoning_effort": "high"},
+    ],
+)
+def test_prompt_shaping_fields_change_the_namespace(change: dict) -> None:
+    assert chain([USER], change) != chain([USER])
+
+
+def test_sampling_fields_do_not_change_keys() -> None:
+    assert chain([USER], {"temperature": 0.2, "max_tokens": 5, "stream": True}) == chain([USER])
+
+
+def test_tenants_and_models_are_separate() -> None:
+    assert chain([USER], tenant="a") != chain([USER], tenant="b")
+    ns_other = keys.namespace("model-b", {}, None)
+    assert keys.chain(ns_other, [USER]) != chain([USER])
+
+
+def test_one_character_changes_the_key_from_there_on() -> None:
+    a = chain([SYSTEM, USER, {"role": "user", "content": "x"}])
+    b = chain(
+        [{"role": "system", "content": "You are helpful!"}, USER, {"role": "user", "content": "x"}]
+    )
+    assert not set(a) & set(b)
+
+
+def test_tenant_comes_from_header_or_bearer() -> None:
+    assert keys.tenant_of({}, None) is None
+    a = keys.tenant_of({"Authorization": "Bearer a"}, None)
+    b = keys.tenant_of({"Authorization": "Bearer b"}, None)
+    assert a and b and a != b
+    assert keys.tenant_of({"X-Team": "red"}, "X-Team") != keys.tenant_of(
+        {"X-Team": "blue"}, "X-Team"
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["not a message"], [{"role": 3, "content": "x"}], [{"role": "user", "content": 5}]],
+)
+def test_unkeyable_messages_raise(bad: list) -> None:
+    with pytest.raises(keys.UnkeyableRequest):
+        chain(bad)
+
+
+def test_a_large_conversation_keys() -> None:
+    big = [{"role": "user" if i % 2 else "assistant", "content": "x" * 2000} for i in range(500)]
+    result = chain(big)
+    assert len(result) == 500 and len(set(result)) == 500

@@ -1,0 +1,204 @@
+"""The transparent part: what goes through unchanged, what is refused, what fails cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvproxy.managed import free_port
+
+from .conftest import RunningProxy, start_proxy
+
+
+class EchoUpstream:
+    """A stand-in server that records what arrives and answers in controlled ways."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+        self.sent_at: list[float] = []
+        self.cancelled = asyncio.Event()
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/slots", self.slots)
+        app.router.add_get("/props", self.props)
+        app.router.add_get("/sse", self.sse)
+        app.router.add_get("/hang", self.hang)
+        app.router.add_route("*", "/{tail:.*}", self.echo)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        self.url = ""
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def slots(self, request: web.Request) -> web.Response:
+        return web.json_response([{"id": 0, "n_ctx": 100, "is_processing": False}])
+
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "/m.gguf", "total_slots": 1})
+
+    async def echo(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.seen.append(
+            {
+                "method": request.method,
+                "path_qs": request.path_qs,
+                "headers": dict(request.headers),
+                "body": body,
+            }
+        )
+        return web.Response(
+            status=207, body=b"echo:" + body, headers={"X-Custom": "yes", "Content-Type": "text/x"}
+        )
+
+    async def sse(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            self.sent_at.append(time.monotonic())
+            await resp.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.3)
+        await resp.write_eof()
+        return resp
+
+    async def hang(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: first\n\n")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return resp
+
+
+@pytest.fixture
+async def echo() -> AsyncIterator[EchoUpstream]:
+    upstream = EchoUpstream()
+    await upstream.start()
+    yield upstream
+    await upstream.runner.cleanup()
+
+
+@pytest.fixture
+async def eproxy(echo: EchoUpstream, tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    running = await start_proxy(
+        echo.url, tmp_path / "cache", upstream_api_key="server-key", max_body="1MiB"
+    )
+    yield running
+    await running.stop()
+
+
+async def test_methods_paths_queries_headers_and_bodies_pass_through(
+    echo: EchoUpstream, eproxy: RunningProxy
+) -> None:
+    async with aiohttp.ClientSession() as s:
+        for method in ("GET", "PUT", "DELETE", "PATCH", "POST"):
+            async with s.request(
+                method,
+                eproxy.url + "/some/path?a=1&b=x%20y",
+                data=b"payload-" + method.encode(),
+                headers={"X-Client": "c1", "Connection": "keep-alive, X-Drop", "X-Drop": "1"},
+            ) as resp:
+                assert resp.status == 207
+                assert resp.headers["X-Custom"] == "yes"
+                assert await resp.read() == b"echo:payload-" + method.encode()
+    assert [s["method"] for s in echo.seen] == ["GET", "PUT", "DELETE", "PATCH", "POST"]
+    first = echo.seen[0]
+    assert first["path_qs"] == "/some/path?a=1&b=x%20y"
+    assert first["headers"]["X-Client"] == "c1"
+    assert "X-Drop" not in first["headers"]  # named in Connection: hop-by-hop
+    assert first["headers"]["Authorization"] == "Bearer server-key"
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/slots",
+        "/slots/0?action=erase",
+        "/slots/1?action=save",
+        "//slots/0",
+        "/v1/../slots/0",
+        "/%73lots/0",
+    ],
+)
+async def test_slots_routes_are_refused(
+    echo: EchoUpstream, eproxy: RunningProxy, method: str, path: str
+) -> None:
+    async with aiohttp.ClientSession() as s, s.request(method, eproxy.url + path) as resp:
+        assert resp.status == 403
+        body = await resp.json()
+        assert body["error"]["type"] == "permission_error"
+        assert "/slots" in body["error"]["message"]
+    assert not echo.seen
+
+
+async def test_sse_events_are_not_buffered(echo: EchoUpstream, eproxy: RunningProxy) -> None:
+    received: list[float] = []
+    async with aiohttp.ClientSession() as s, s.get(eproxy.url + "/sse") as resp:
+        async for _chunk in resp.content.iter_any():
+            received.append(time.monotonic())
+            if len(received) == 1:
+                assert len(echo.sent_at) == 1, "second event was already sent"
+    assert received[0] < echo.sent_at[1]
+
+
+async def test_client_disconnect_cancels_upstream(echo: EchoUpstream, eproxy: RunningProxy) -> None:
+    async with aiohttp.ClientSession() as s:
+        resp = await s.get(eproxy.url + "/hang")
+        assert await resp.content.readline() == b"data: first\n"
+        resp.close()
+    await asyncio.wait_for(echo.cancelled.wait(), 5)
+
+
+async def test_dead_upstream_is_a_502_and_the_proxy_keeps_serving(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    running = await start_proxy(dead, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for path in ("/health", "/v1/models"):
+                async with s.get(running.url + path) as resp:
+                    assert resp.status == 502
+                    body = await resp.json()
+                    assert body["error"]["code"] == "upstream_unreachable"
+            async with s.post(
+                running.url + "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}]},
+            ) as resp:
+                assert resp.status == 502
+                assert "unreachable" in (await resp.json())["error"]["message"]
+    finally:
+        await running.stop()
+
+
+async def test_oversized_body_is_413(echo: EchoUpstream, eproxy: RunningProxy) -> None:
+    async with aiohttp.ClientSession() as s:
+        for path in ("/v1/chat/completions", "/anything"):
+            async with s.post(eproxy.url + path, data=b"x" * (2 << 20)) as resp:
+                assert resp.status == 413
+                assert "--max-body" in (await resp.json())["error"]["message"]
+    assert not echo.seen
+
+
+async def test_malformed_chat_json_is_a_clear_400(echo: EchoUpstream, eproxy: RunningProxy) -> None:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            eproxy.url + "/v1/chat/completions",
+            data=b'{"messages": [',
+            headers={"Content-Type": "application/json"},
+        ) as resp,
+    ):
+        assert resp.status == 400
+        body = await resp.json()
+        assert body["error"]["type"] == "invalid_request_error"
+        assert "JSON" in body["error"]["message"]
