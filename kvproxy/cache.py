@@ -317,6 +317,16 @@ class ConversationCache:
             except UpstreamError:
                 slot.forget()
 
+    async def _clear_for_foreign_use(self, slot: Slot) -> None:
+        """Before a request the cache does not key uses the slot: keep what would be lost."""
+        try:
+            await self._verify(slot)
+            if self._worth_saving(slot):
+                await self._save(slot)
+        except UpstreamError as exc:
+            log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
+            slot.forget()
+
     async def _forward_unpinned(
         self, request: web.Request, path_qs: str, body: bytes
     ) -> web.StreamResponse:

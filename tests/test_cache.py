@@ -1,0 +1,367 @@
+"""The conversation cache against the fake llama-server: every decision path, fast."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from .conftest import RunningProxy, start_proxy
+from .fakeserver import FakeLlamaServer
+
+Maker = Callable[..., Coroutine[Any, Any, tuple[FakeLlamaServer, RunningProxy]]]
+
+
+@pytest.fixture
+async def make(tmp_path: Path) -> AsyncIterator[Maker]:
+    """Start a fake server and a proxy on a shared cache dir, with options for each."""
+    started: list[Any] = []
+
+    async def _make(server: dict | None = None, **proxy_opts: Any):
+        cache = tmp_path / f"cache{len(started)}"
+        cache.mkdir(mode=0o700)
+        fake = FakeLlamaServer(slot_save_path=cache, **(server or {}))
+        await fake.start()
+        started.append(fake)
+        proxy = await start_proxy(fake.url, cache, **proxy_opts)
+        started.append(proxy)
+        return fake, proxy
+
+    yield _make
+    for thing in reversed(started):
+        await thing.stop()
+
+
+def conv(n: int, length: int = 300) -> list[dict]:
+    return [
+        {"role": "system", "content": f"System prompt of conversation {n}. " + "pad " * length},
+        {"role": "user", "content": f"first question {n}"},
+    ]
+
+
+async def chat(
+    proxy: RunningProxy, messages: list[dict], headers: dict | None = None, **extra: Any
+) -> tuple[int, dict, dict[str, str]]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            proxy.url + "/v1/chat/completions",
+            json={"messages": messages, **extra},
+            headers=headers or {},
+        ) as r,
+    ):
+        raw = await r.read()
+        if extra.get("stream"):
+            return r.status, {"raw": raw}, dict(r.headers)
+        return r.status, orjson.loads(raw), dict(r.headers)
+
+
+def then(messages: list[dict], reply: dict, text: str = "next question") -> list[dict]:
+    msg = reply["choices"][0]["message"]
+    echoed = {"role": "assistant", "content": msg.get("content")}
+    if msg.get("tool_calls"):
+        echoed["tool_calls"] = msg["tool_calls"]
+    return [*messages, echoed, {"role": "user", "content": text}]
+
+
+def prompt_tokens(body: dict) -> int:
+    return body["timings"]["cache_n"] + body["timings"]["prompt_n"]
+
+
+def actions(fake: FakeLlamaServer, kind: str) -> list:
+    return [a for a in fake.actions if a[0] == kind]
+
+
+async def settle(proxy: RunningProxy) -> None:
+    """Let detached bookkeeping (after each reply) finish."""
+    for _ in range(100):
+        if not proxy.cache._background and not any(s.busy for s in proxy.cache.pool.slots):
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_resident_conversation_needs_no_disk(make: Maker) -> None:
+    fake, proxy = await make()
+    _, r1, h1 = await chat(proxy, conv(1))
+    assert h1["X-KVProxy-Cache"] == "miss"
+    _, r2, h2 = await chat(proxy, then(conv(1), r1))
+    assert h2["X-KVProxy-Cache"] == "resident"
+    assert r2["timings"]["prompt_n"] <= 100  # the new turn only (tokens are bytes here)
+    assert fake.actions == []
+
+
+async def test_evicted_conversation_is_saved_then_restored(make: Maker) -> None:
+    fake, proxy = await make()
+    replies = {}
+    for c in (1, 2, 3):
+        _, replies[c], _ = await chat(proxy, conv(c))
+    await settle(proxy)
+    assert len(actions(fake, "save")) == 1  # conversation 1 made room for 3
+    status, r, h = await chat(proxy, then(conv(1), replies[1]))
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    assert int(h["X-KVProxy-Restored-Tokens"]) > 300 and float(h["X-KVProxy-Restore-Ms"]) >= 0
+    assert r["timings"]["cache_n"] / prompt_tokens(r) > 0.9
+    assert r["choices"][0]["message"]["content"] == "Echo: next question"
+    assert fake.deferred_actions == 0
+
+
+async def test_order_1212_is_all_resident(make: Maker) -> None:
+    fake, proxy = await make()
+    r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2)}
+    for c in (1, 2):
+        _, _, h = await chat(proxy, then(conv(c), r[c]))
+        assert h["X-KVProxy-Cache"] == "resident"
+    assert proxy.cache.stats.saves == 0 and proxy.cache.stats.restores == 0
+    assert fake.actions == []
+
+
+async def test_streamed_replies_are_captured(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.001})
+    _, streamed, _ = await chat(proxy, conv(1), stream=True)
+    assert b"data: [DONE]" in streamed["raw"]
+    _, plain, _ = await chat(proxy, conv(2))
+    await chat(proxy, conv(3))  # pushes conversation 1 out to disk
+    reply = {
+        "choices": [
+            {"message": {"content": plain["choices"][0]["message"]["content"].replace("2", "1")}}
+        ]
+    }
+    _, r, h = await chat(proxy, then(conv(1), reply))
+    assert h["X-KVProxy-Cache"] == "restored"
+
+
+async def test_tool_call_replies_key_as_echoed(make: Maker) -> None:
+    fake, proxy = await make()
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    msgs = [*conv(1)[:1], {"role": "user", "content": "please CALL_TOOL now"}]
+    _, r1, _ = await chat(proxy, msgs, tools=tools)
+    call = r1["choices"][0]["message"]["tool_calls"][0]
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                **call,
+                "function": {
+                    **call["function"],
+                    "arguments": orjson.dumps(orjson.loads(call["function"]["arguments"])).decode(),
+                },
+            }
+        ],
+    }
+    nxt = [*msgs, echoed, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
+    _, _, h = await chat(proxy, nxt, tools=tools)
+    assert h["X-KVProxy-Cache"] == "resident"
+
+
+async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> None:
+    fake, proxy = await make()
+    r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    await settle(proxy)
+    [entry] = proxy.cache.store.entries.values()
+    kv = proxy.cache.store.root / f"{entry.key}.kv"
+    data = bytearray(kv.read_bytes())
+    data[40:60] = b"\xff" * 20  # corrupt, same size: only the server can tell
+    kv.write_bytes(bytes(data))
+    status, body, h = await chat(proxy, then(conv(1), r[1]))
+    assert status == 200 and h["X-KVProxy-Cache"] == "miss"
+    assert body["choices"][0]["message"]["content"] == "Echo: next question"
+    assert not kv.exists() and not (kv.parent / f"{entry.key}.idx").exists()
+    assert proxy.cache.stats.restore_failures == 1
+
+
+async def test_truncated_state_file_is_never_sent_to_the_server(make: Maker) -> None:
+    fake, proxy = await make()
+    r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    await settle(proxy)
+    [entry] = proxy.cache.store.entries.values()
+    kv = proxy.cache.store.root / f"{entry.key}.kv"
+    kv.write_bytes(kv.read_bytes()[:100])
+    _, _, h = await chat(proxy, then(conv(1), r[1]))
+    assert h["X-KVProxy-Cache"] == "miss"
+    assert actions(fake, "restore") == []
+    assert not kv.exists()
+
+
+async def test_checkpoint_sidecars_live_and_die_with_their_entry(make: Maker) -> None:
+    fake, proxy = await make(server={"write_sidecar": True}, max_disk=0)
+    for c in (1, 2, 3):
+        await chat(proxy, conv(c))
+    await settle(proxy)
+    root = proxy.cache.store.root
+    [first] = proxy.cache.store.entries.values()
+    sidecar = root / f"{first.key}.kv.ckpt"
+    assert sidecar.exists()
+    assert first.bytes == (root / f"{first.key}.kv").stat().st_size + sidecar.stat().st_size
+    budget = int(first.bytes * 2.5)
+    proxy.cache.store.max_bytes = budget
+    for c in (4, 5, 6, 7):  # more saves than the budget holds: the oldest goes, sidecar too
+        await chat(proxy, conv(c))
+    await settle(proxy)
+    assert first.key not in proxy.cache.store.entries
+    assert not list(root.glob(f"{first.key}*"))
+    assert 0 < proxy.cache.store.total_bytes <= budget
+    on_disk = sum(p.stat().st_size for p in root.iterdir() if not p.name.endswith(".idx"))
+    assert on_disk == proxy.cache.store.total_bytes
+
+
+async def test_ttl_eviction_before_lookup(make: Maker) -> None:
+    fake, proxy = await make(ttl=0.3)
+    r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    await settle(proxy)
+    assert len(proxy.cache.store.entries) == 1
+    await asyncio.sleep(0.5)
+    _, _, h = await chat(proxy, then(conv(1), r[1]))
+    assert h["X-KVProxy-Cache"] == "miss"
+    assert actions(fake, "restore") == []
+
+
+async def test_short_conversations_are_not_saved(make: Maker) -> None:
+    fake, proxy = await make(min_tokens=10_000)
+    for c in (1, 2, 3):
+        await chat(proxy, conv(c))
+    await settle(proxy)
+    assert actions(fake, "save") == []
+
+
+async def test_write_through_saves_every_reply(make: Maker) -> None:
+    fake, proxy = await make(write_through=True)
+    _, r1, _ = await chat(proxy, conv(1))
+    await settle(proxy)
+    assert len(proxy.cache.store.entries) == 1
+    _, _, h = await chat(proxy, then(conv(1), r1))
+    assert h["X-KVProxy-Cache"] == "resident"  # saved, and still in its slot
+    await settle(proxy)
+    assert len(proxy.cache.store.entries) == 2
+
+
+async def test_idle_slots_are_saved(make: Maker) -> None:
+    fake, proxy = await make(idle_save_after=0.1)
+    await chat(proxy, conv(1))
+    for _ in range(50):
+        if proxy.cache.store.entries:
+            break
+        await asyncio.sleep(0.1)
+    assert len(proxy.cache.store.entries) == 1
+
+
+async def test_proxy_restart_restores_from_disk(make: Maker, tmp_path: Path) -> None:
+    fake, proxy = await make()
+    r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2)}
+    await proxy.stop()  # graceful: both resident conversations are saved
+    assert len(list(fake.slot_save_path.glob("*.idx"))) == 2
+    again = await start_proxy(fake.url, fake.slot_save_path)
+    try:
+        for slot in fake.slots:  # the server restarted too: its slots are empty
+            slot.tokens.clear()
+        for c in (1, 2):
+            _, body, h = await chat(again, then(conv(c), r[c]))
+            assert h["X-KVProxy-Cache"] in ("restored", "resident")
+            assert body["timings"]["cache_n"] / prompt_tokens(body) > 0.9
+    finally:
+        await again.stop()
+
+
+async def test_wiped_slot_is_not_trusted(make: Maker) -> None:
+    fake, proxy = await make(server={"wipe_idle_slots": True}, write_through=True)
+    _, r1, _ = await chat(proxy, conv(1))
+    await chat(proxy, conv(2))  # the server wipes slot 0 while slot 1 starts
+    await settle(proxy)
+    _, body, h = await chat(proxy, then(conv(1), r1))
+    assert h["X-KVProxy-Cache"] == "restored"  # not "resident": the slot was checked
+    assert body["timings"]["cache_n"] / prompt_tokens(body) > 0.9
+    assert proxy.cache.stats.slot_resets_seen >= 1
+
+
+async def test_cancelled_stream_leaves_no_false_picture(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.05})
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(
+            proxy.url + "/v1/chat/completions", json={"messages": conv(1), "stream": True}
+        )
+        await resp.content.readline()
+        resp.close()
+    await asyncio.sleep(0.3)
+    await settle(proxy)
+    assert all(s.holding is None for s in proxy.cache.pool.slots)
+    status, _, h = await chat(proxy, conv(1))
+    assert status == 200 and h["X-KVProxy-Cache"] == "miss"
+    assert fake.deferred_actions == 0
+
+
+async def test_queue_bound_gives_503_with_retry_after(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.02}, max_queue=1)
+    slow = [asyncio.create_task(chat(proxy, conv(c))) for c in (1, 2, 3)]
+    await asyncio.sleep(0.2)  # two running, one queued
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(proxy.url + "/v1/chat/completions", json={"messages": conv(4)}) as r,
+    ):
+        assert r.status == 503 and r.headers["Retry-After"]
+        assert (await r.json())["error"]["code"] == "slots_busy"
+    assert [s for s, _, _ in await asyncio.gather(*slow)] == [200, 200, 200]
+
+
+async def test_queue_timeout_gives_503(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.03}, queue_timeout=0.2)
+    slow = [asyncio.create_task(chat(proxy, conv(c))) for c in (1, 2)]
+    await asyncio.sleep(0.1)
+    status, body, headers = await chat(proxy, conv(3))
+    assert status == 503 and "Retry-After" in headers
+    await asyncio.gather(*slow)
+
+
+async def test_many_clients_few_slots_no_deferred_actions(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.001})
+    first = await asyncio.gather(*(chat(proxy, conv(c, 100)) for c in range(12)))
+    assert all(s == 200 for s, _, _ in first)
+    second = await asyncio.gather(
+        *(chat(proxy, then(conv(c, 100), first[c][1])) for c in range(12))
+    )
+    assert all(s == 200 for s, _, _ in second)
+    assert all(b["choices"][0]["message"]["content"] == "Echo: next question" for _, b, _ in second)
+    assert fake.deferred_actions == 0
+    assert proxy.cache.stats.restores > 0
+
+
+async def test_tenants_never_share_entries(make: Maker) -> None:
+    fake, proxy = await make()
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    _, r1, _ = await chat(proxy, conv(1), headers=alice)
+    await chat(proxy, conv(2), headers=alice)
+    await chat(proxy, conv(3), headers=alice)  # alice's conversation 1 goes to disk
+    await settle(proxy)
+    _, _, h = await chat(proxy, then(conv(1), r1), headers=bob)
+    assert h["X-KVProxy-Cache"] == "miss"
+    assert actions(fake, "restore") == []
+    _, _, h = await chat(proxy, then(conv(1), r1), headers=alice)
+    assert h["X-KVProxy-Cache"] == "restored"
+
+
+async def test_requests_the_cache_cannot_key_are_pinned_bypass(make: Maker) -> None:
+    fake, proxy = await make()
+    _, r1, _ = await chat(proxy, conv(1))
+    status, _, h = await chat(proxy, conv(2), n=2)
+    assert status == 200 and h["X-KVProxy-Cache"] == "bypass"
+    status, _, h = await chat(proxy, [{"role": "user", "content": 5}])
+    assert h["X-KVProxy-Cache"] == "bypass"
+    pinned = [b for m, p, b in fake.requests if p.startswith("/v1/chat") and b]
+    assert all("id_slot" in b for b in pinned)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(proxy.url + "/completion", json={"prompt": "hello", "n_predict": 4}) as r,
+    ):
+        assert r.status == 200 and r.headers["X-KVProxy-Cache"] == "bypass"
+    assert fake.requests[-1][2]["id_slot"] in (0, 1)
+
+
+async def test_client_id_slot_is_overridden(make: Maker) -> None:
+    fake, proxy = await make()
+    await chat(proxy, conv(1), id_slot=7)
+    body = next(b for m, p, b in fake.requests if p.startswith("/v1/chat"))
+    assert (body["id_slot"] in (0, 1) and body["id_slot"] != 7 % 2) or body["id_slot"] == 0
