@@ -1,0 +1,156 @@
+"""`kvproxy serve --model default`: one command starts llama-server, proxies, and cleans up."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvproxy.managed import free_port
+
+pytestmark = pytest.mark.real
+
+
+def wait_ready(proc: subprocess.Popen[str], log: Path, port: int, timeout: float = 240) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvproxy exited early:\n{log.read_text()[-3000:]}")
+        text = log.read_text()
+        if "kvproxy ready" in text:
+            match = re.search(r"llama-server is up at (http://[\d.:]+)", text)
+            assert match, text[-2000:]
+            return match.group(1)
+        time.sleep(0.2)
+    raise AssertionError(f"kvproxy not ready:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def managed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, str, Path]]:
+    port = free_port()
+    log = tmp_path / "kvproxy.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvproxy.cli",
+                "serve",
+                "--model",
+                "default",
+                "--port",
+                str(port),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--ctx-size",
+                "2048",
+                "--",
+                "--cache-ram",
+                "0",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        server_url = wait_ready(proc, log, port)
+        yield proc, port, server_url, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def server_pid(port: str) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"llama-server") and port.encode() in argv:
+                return int(entry.name)
+    raise AssertionError("llama-server process not found")
+
+
+def server_alive(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2):
+            return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def test_serve_default_answers_like_the_server_and_stops_it(managed) -> None:
+    proc, port, server_url, log = managed
+    messages = [{"role": "user", "content": "Count to five."}]
+    answers = []
+    for base in (f"http://127.0.0.1:{port}/v1", server_url + "/v1"):
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+        done = client.chat.completions.create(
+            model="m", messages=messages, temperature=0, max_tokens=16
+        )
+        streamed = "".join(
+            e.choices[0].delta.content or ""
+            for e in client.chat.completions.create(
+                model="m", messages=messages, temperature=0, max_tokens=16, stream=True
+            )
+            if e.choices
+        )
+        answers.append((done.choices[0].message.content, streamed))
+    assert answers[0] == answers[1] and answers[0][0] == answers[0][1] and answers[0][0]
+    text = log.read_text()
+    assert "llama-server|" in text  # the server's log is relayed with a prefix
+    assert "--slot-save-path" in text and "--parallel 2" in text
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert not server_alive(server_url), "llama-server outlived kvproxy"
+
+
+def test_server_death_exits_nonzero_with_its_last_lines(managed) -> None:
+    proc, port, server_url, log = managed
+    pid = server_pid(server_url.rsplit(":", 1)[1])
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(60) == 1
+    text = log.read_text()
+    assert "llama-server exited with code -9" in text and "its last lines" in text
+
+
+def test_a_server_that_cannot_start_is_reported(tmp_path: Path) -> None:
+    fake_bin = tmp_path / "llama-server"
+    fake_bin.write_text("#!/bin/sh\necho 'error: unknown argument --bogus'\nexit 3\n")
+    fake_bin.chmod(0o755)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvproxy.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--server-bin",
+            str(fake_bin),
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "exited with code 3" in proc.stderr and "unknown argument --bogus" in proc.stderr
