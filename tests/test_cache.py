@@ -3,38 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 
-from .conftest import RunningProxy, start_proxy
+from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
-
-Maker = Callable[..., Coroutine[Any, Any, tuple[FakeLlamaServer, RunningProxy]]]
-
-
-@pytest.fixture
-async def make(tmp_path: Path) -> AsyncIterator[Maker]:
-    """Start a fake server and a proxy on a shared cache dir, with options for each."""
-    started: list[Any] = []
-
-    async def _make(server: dict | None = None, **proxy_opts: Any):
-        cache = tmp_path / f"cache{len(started)}"
-        cache.mkdir(mode=0o700)
-        fake = FakeLlamaServer(slot_save_path=cache, **(server or {}))
-        await fake.start()
-        started.append(fake)
-        proxy = await start_proxy(fake.url, cache, **proxy_opts)
-        started.append(proxy)
-        return fake, proxy
-
-    yield _make
-    for thing in reversed(started):
-        await thing.stop()
 
 
 def conv(n: int, length: int = 300) -> list[dict]:

@@ -1,0 +1,167 @@
+"""Faults injected: full disks, a proxy killed mid-operation, many clients on few slots."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvproxy.managed import free_port
+
+from .conftest import Maker, start_proxy
+from .fakeserver import FakeLlamaServer
+from .test_cache import chat, conv, settle, then
+
+
+async def test_full_disk_commits_nothing_and_keeps_serving(
+    make: Maker, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake, proxy = await make(server={"fail_saves": True})
+    caplog.set_level(logging.ERROR, logger="kvproxy.cache")
+    for c in range(1, 6):  # every request past the second evicts an unsaved conversation
+        status, body, _ = await chat(proxy, conv(c))
+        assert status == 200 and body["choices"][0]["message"]["content"].startswith("Echo:")
+    await settle(proxy)
+    assert proxy.cache.stats.save_failures >= 3
+    assert list(fake.slot_save_path.iterdir()) == []  # partial files removed, nothing committed
+    assert len([r for r in caplog.records if "save of slot" in r.getMessage()]) == 1
+    fake.fail_saves = False  # space comes back: saving resumes
+    await chat(proxy, conv(6))
+    await settle(proxy)
+    assert len(list(fake.slot_save_path.glob("*.idx"))) == 1
+
+
+async def spawn_proxy(upstream: str, cache: Path, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvproxy.cli",
+            "serve",
+            "--upstream",
+            upstream,
+            "--cache-dir",
+            str(cache),
+            "--port",
+            str(port),
+            "--min-tokens",
+            "0",
+            "--idle-save-after",
+            "3600",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                    if r.status == 200:
+                        return proc
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    proc.kill()
+    raise AssertionError("proxy did not start")
+
+
+class Remote:
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("phase", ["save", "restore", "stream"])
+async def test_proxy_killed_mid_operation(tmp_path: Path, phase: str) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    fake = FakeLlamaServer(slot_save_path=cache, token_delay=0.01)
+    await fake.start()
+    port = free_port()
+    proc = await spawn_proxy(fake.url, cache, port)
+    remote = Remote(port)
+    try:
+        replies = {}
+        for c in (1, 2):
+            _, replies[c], _ = await chat(remote, conv(c))
+        if phase == "restore":
+            await chat(remote, conv(3))  # conversation 1 is saved and committed
+            await asyncio.sleep(0.2)
+            assert len(list(cache.glob("*.idx"))) == 1
+        fake.action_delay = 5.0 if phase != "stream" else 0.0
+        victim = {
+            "save": conv(3),  # evicts conversation 1: a save starts
+            "restore": then(conv(1), replies[1]),  # conversation 1 comes back: a restore starts
+            "stream": conv(4),
+        }[phase]
+        task = asyncio.create_task(chat(remote, victim, stream=phase == "stream"))
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if phase == "save" and list(cache.glob("*.tmp")):
+                break
+            if phase == "restore" and any(
+                p.startswith("/slots") and "restore" in p for _, p, _ in fake.requests
+            ):
+                break
+            if phase == "stream" and any(s.is_processing for s in fake.slots):
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(aiohttp.ClientError):
+            await task
+        fake.action_delay = 0.0
+        if phase == "save":
+            assert list(cache.glob("*.tmp")) and not list(cache.glob("*.idx"))
+
+        again = await start_proxy(fake.url, cache)
+        try:
+            names = sorted(p.name for p in cache.iterdir())
+            assert not [n for n in names if ".tmp" in n]
+            keys = {n.split(".")[0] for n in names}
+            assert keys == set(again.cache.store.entries)  # the index matches the files
+            assert all((cache / f"{k}.idx").exists() and (cache / f"{k}.kv").exists() for k in keys)
+            for c in (1, 2):
+                status, body, _ = await chat(again, then(conv(c), replies[c]))
+                assert (
+                    status == 200
+                    and body["choices"][0]["message"]["content"] == "Echo: next question"
+                )
+            if phase == "restore":
+                assert again.cache.stats.restores >= 1
+        finally:
+            await again.stop()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await fake.stop()
+
+
+@pytest.mark.parametrize(("max_queue", "expect_503"), [(64, False), (6, True)])
+async def test_many_clients_on_two_slots(make: Maker, max_queue: int, expect_503: bool) -> None:
+    fake, proxy = await make(server={"token_delay": 0.002}, max_queue=max_queue)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(chat(proxy, conv(c, 50)) for c in range(32))), 60
+    )
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) <= {200, 503}
+    if expect_503:
+        assert 503 in statuses
+        assert all("Retry-After" in h for s, _, h in results if s == 503)
+        assert statuses.count(200) >= 2 + max_queue
+    else:
+        assert statuses == [200] * 32
+    for s, body, _ in results:
+        if s == 200:
+            assert body["choices"][0]["message"]["content"].startswith("Echo: first question")
+    assert fake.deferred_actions == 0
+    assert fake.deferred_tasks == 0  # every completion was pinned to a slot the proxy held
+    await settle(proxy)
+    assert proxy.cache.pool.waiting == 0 and not any(s.busy for s in proxy.cache.pool.slots)
