@@ -194,7 +194,8 @@ class ConversationCache:
         if not self.enabled:
             with contextlib.suppress(UpstreamError):
                 await self._discover()
-        if not self.enabled:
+        if not self.enabled or not isinstance(payload, dict):
+            # Not an object: the server rejects it before it touches a slot.
             return await self._forward_unpinned(request, path_qs, body)
         plan = self._plan(payload, request.headers)
         if isinstance(plan, str):

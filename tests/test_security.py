@@ -1,0 +1,124 @@
+"""Security defaults: loopback Host only, admin routes behind a token, private cache files,
+no symlink followed, tenants isolated."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from .conftest import Maker, start_proxy
+from .test_cache import chat, conv, settle
+
+
+async def get(url: str, headers: dict | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers or {}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+@pytest.mark.parametrize(
+    "host", ["evil.example", "evil.example:8081", "192.168.1.5", "localhost.evil.example"]
+)
+async def test_foreign_host_is_refused_on_loopback(make: Maker, host: str) -> None:
+    fake, proxy = await make()
+    status, body = await get(proxy.url + "/v1/models", {"Host": host})
+    assert status == 403 and body["error"]["code"] == "host_not_allowed"
+    assert not [r for r in fake.requests if r[1] == "/v1/models"]
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost", "localhost:8081", "127.0.0.1:1", "[::1]:80", "my.box"]
+)
+async def test_loopback_and_allowed_hosts_pass(make: Maker, host: str) -> None:
+    fake, proxy = await make(allowed_hosts="my.box")
+    status, _ = await get(proxy.url + "/v1/models", {"Host": host})
+    assert status == 200
+
+
+async def test_stats_are_open_on_loopback_and_need_a_token_elsewhere(
+    make: Maker, tmp_path: Path
+) -> None:
+    fake, proxy = await make()
+    await chat(proxy, conv(1))
+    status, body = await get(proxy.url + "/kvproxy/stats")
+    assert status == 200 and body["requests"]["miss"] == 1 and len(body["slots"]) == 2
+
+    # Told to listen beyond loopback (the test still binds 127.0.0.1): a token is required.
+    exposed = await start_proxy(fake.url, tmp_path / "c2", host="0.0.0.0", admin_token="s3cret")
+    try:
+        assert (await get(exposed.url + "/kvproxy/stats"))[0] == 401
+        assert (await get(exposed.url + "/kvproxy/stats", {"Authorization": "Bearer nope"}))[
+            0
+        ] == 401
+        status, _ = await get(exposed.url + "/kvproxy/stats", {"Authorization": "Bearer s3cret"})
+        assert status == 200
+        # ...and a Host check would be meaningless there: names are the operator's business.
+        assert (await get(exposed.url + "/v1/models", {"Host": "box.lan"}))[0] == 200
+    finally:
+        await exposed.stop()
+
+
+async def test_cache_dir_and_files_are_private(make: Maker) -> None:
+    fake, proxy = await make()
+    for c in (1, 2, 3):
+        await chat(proxy, conv(c))
+    await settle(proxy)
+    root = proxy.cache.store.root
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    files = list(root.iterdir())
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    for p in files:  # names come from hashes only
+        stem = p.name.split(".")[0]
+        assert len(stem) == 32 and all(ch in "0123456789abcdef" for ch in stem)
+
+
+async def test_symlinks_in_the_cache_dir_are_never_followed(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"do not touch")
+    key = "ab" * 16
+    (cache / f"{key}.kv").symlink_to(outside)
+    (cache / f"{key}.idx").symlink_to(outside)
+    proxy = await start_proxy("http://127.0.0.1:9", cache)
+    try:
+        assert proxy.cache.store.entries == {}
+        assert not (cache / f"{key}.kv").is_symlink() and not (cache / f"{key}.kv").exists()
+        assert outside.read_bytes() == b"do not touch"
+    finally:
+        await proxy.stop()
+
+
+async def test_same_conversation_two_tenant_headers(make: Maker) -> None:
+    fake, proxy = await make(tenant_header="X-Team", write_through=True)
+    red, blue = {"X-Team": "red"}, {"X-Team": "blue"}
+    _, r1, _ = await chat(proxy, conv(1), headers=red)
+    await settle(proxy)
+    await chat(proxy, conv(2), headers=red)
+    await chat(proxy, conv(3), headers=red)
+    await settle(proxy)
+    nxt = [
+        *conv(1),
+        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "next"},
+    ]
+    _, _, h = await chat(proxy, nxt, headers=blue)
+    assert h["X-KVProxy-Cache"] == "miss"  # red's entry exists, blue never gets it
+    restores = [a for a in fake.actions if a[0] == "restore"]
+    assert restores == []
+    _, _, h = await chat(proxy, nxt, headers=red)
+    assert h["X-KVProxy-Cache"] in ("restored", "resident")
+    await settle(proxy)
+    assert len({e.namespace for e in proxy.cache.store.entries.values()}) == 2
+
+
+def test_bad_cache_dir_permissions_are_fixed(tmp_path: Path) -> None:
+    from kvproxy.store import Store
+
+    root = tmp_path / "c"
+    root.mkdir(mode=0o755)
+    Store(root, 0, 0).open()
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
