@@ -263,18 +263,9 @@ class ConversationCache:
         lease = _Lease(self, [slot])
         try:
             await lease.guarded(self._clear_for_foreign_use(slot))
-            self.stats.requests["bypass"] += 1
             payload["id_slot"] = slot.id
             slot.forget()
-            result = await relay(
-                request,
-                self.upstream,
-                path_qs,
-                orjson.dumps(payload),
-                body_replaced=True,
-                extra_headers={"X-KVProxy-Cache": "bypass"},
-            )
-            return result.response
+            return (await self._relay_bypass(request, path_qs, orjson.dumps(payload))).response
         finally:
             lease.release()
 
@@ -292,16 +283,8 @@ class ConversationCache:
         try:
             for slot in taken:
                 await lease.guarded(self._clear_for_foreign_use(slot))
-            self.stats.requests["bypass"] += 1
             try:
-                result = await relay(
-                    request,
-                    self.upstream,
-                    path_qs,
-                    body,
-                    body_replaced=True,
-                    extra_headers={"X-KVProxy-Cache": "bypass"},
-                )
+                result = await self._relay_bypass(request, path_qs, body)
             except BaseException:
                 for slot in taken:
                     slot.forget()
@@ -331,16 +314,18 @@ class ConversationCache:
     async def _forward_unpinned(
         self, request: web.Request, path_qs: str, body: bytes
     ) -> web.StreamResponse:
+        return (await self._relay_bypass(request, path_qs, body)).response
+
+    async def _relay_bypass(self, request: web.Request, path_qs: str, data: bytes) -> Any:
         self.stats.requests["bypass"] += 1
-        result = await relay(
+        return await relay(
             request,
             self.upstream,
             path_qs,
-            body,
+            data,
             body_replaced=True,
             extra_headers={"X-KVProxy-Cache": "bypass"},
         )
-        return result.response
 
     # --- getting the conversation into its slot
 
