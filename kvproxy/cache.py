@@ -39,6 +39,8 @@ _T = TypeVar("_T")
 HOUSEKEEPING_INTERVAL = 1.0
 PROPS_CHECK_INTERVAL = 15.0
 BUSY_WAIT_LIMIT = 120.0
+# Restores the server did not reuse, in a row, before kvproxy stops restoring for a namespace.
+INEFFECTIVE_LIMIT = 3
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Stats:
     cache_n: int = 0
     prompt_n: int = 0
     slot_resets_seen: int = 0
+    ineffective_restores: int = 0
 
 
 class ConversationCache:
@@ -82,6 +85,8 @@ class ConversationCache:
         self._background: set[asyncio.Task[Any]] = set()
         self._last_props_check = 0.0
         self._disk_error_logged = False
+        self._ineffective_streak: dict[str, int] = {}
+        self._restores_off: set[str] = set()
 
     # --- life cycle
 
@@ -226,6 +231,10 @@ class ConversationCache:
                 slot.forget()  # cut off mid-reply: the slot holds something we cannot name
                 raise
             reply = capture.finish() if result.complete and result.status == 200 else None
+            if decision == "restored":
+                self._judge_restore(
+                    plan.namespace, int(headers["X-KVProxy-Restored-Tokens"]), reply
+                )
             # The client has its whole reply; the bookkeeping goes on without it.
             lease.hand_off(self._after_reply(slot, plan, reply))
             self._log_request(plan, slot, decision, headers, reply, result.status)
@@ -336,7 +345,7 @@ class ConversationCache:
         if self.disk_enabled:
             await self._evict()
             found = self.store.lookup(plan.keys, plan.namespace)
-        if found is not None and found[1] > resident:
+        if found is not None and found[1] > resident and plan.namespace not in self._restores_off:
             entry, _depth = found
             if self._worth_saving(slot, plan.keys):
                 await self._save(slot)
@@ -354,6 +363,32 @@ class ConversationCache:
         if self._worth_saving(slot, plan.keys):
             await self._save(slot)
         return "miss", {"X-KVProxy-Cache": "miss"}
+
+    def _judge_restore(self, namespace: str, n_restored: int, reply: Any) -> None:
+        """Did the server reuse what was restored? Some model/flag combinations never do
+        (sliding-window models without --swa-full): then restoring only wastes I/O."""
+        timings = (reply.timings if reply is not None else None) or {}
+        if "cache_n" not in timings:
+            return
+        cache_n = int(timings["cache_n"])
+        expected = min(n_restored, cache_n + int(timings.get("prompt_n", 0)) - 1)
+        if cache_n >= expected // 2:
+            self._ineffective_streak[namespace] = 0
+            return
+        self.stats.ineffective_restores += 1
+        streak = self._ineffective_streak.get(namespace, 0) + 1
+        self._ineffective_streak[namespace] = streak
+        if streak >= INEFFECTIVE_LIMIT and namespace not in self._restores_off:
+            self._restores_off.add(namespace)
+            log.warning(
+                "llama-server reused none of %d restored tokens (cache_n=%d), %d times in a "
+                "row: kvproxy stops restoring for this model. Sliding-window models (Gemma, "
+                "gpt-oss) need llama-server --swa-full; recurrent and hybrid models reuse a "
+                "restore only when the next prompt extends it exactly.",
+                n_restored,
+                cache_n,
+                streak,
+            )
 
     def _worth_saving(self, slot: Slot, incoming: list[str] | None = None) -> bool:
         """Would the slot's content be lost, and is it worth keeping?

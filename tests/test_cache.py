@@ -341,3 +341,20 @@ async def test_client_id_slot_is_overridden(make: Maker) -> None:
     await chat(proxy, conv(1), id_slot=7)
     body = next(b for m, p, b in fake.requests if p.startswith("/v1/chat"))
     assert (body["id_slot"] in (0, 1) and body["id_slot"] != 7 % 2) or body["id_slot"] == 0
+
+
+async def test_ineffective_restores_stop_after_a_few(make: Maker) -> None:
+    """A server that never reuses a restored state (SWA without --swa-full): kvproxy notices
+    from timings.cache_n, stops restoring, and the answers stay right."""
+    fake, proxy = await make(server={"reuse": "none"})
+    replies = {c: (await chat(proxy, conv(c)))[1] for c in range(1, 8)}
+    await settle(proxy)
+    outcomes = []
+    for c in range(1, 7):
+        status, body, h = await chat(proxy, then(conv(c), replies[c]))
+        assert status == 200 and body["choices"][0]["message"]["content"] == "Echo: next question"
+        outcomes.append(h["X-KVProxy-Cache"])
+    assert outcomes[:3] == ["restored"] * 3
+    assert outcomes[3:] == ["miss"] * 3
+    assert proxy.cache.stats.ineffective_restores == 3
+    assert len([a for a in fake.actions if a[0] == "restore"]) == 3
