@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from .config import Settings
 from .managed import ManagedServer, ServerError, find_server_binary, free_port, resolve_model
 from .managed import server_command as build_server_command
+from .modelinfo import read_model_info
 from .proxy import build_app
 
 log = logging.getLogger("kvproxy")
@@ -109,6 +110,13 @@ async def serve(settings: Settings) -> int:
         binary = find_server_binary(settings.server_bin)
         settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         model = await asyncio.to_thread(resolve_model, settings.model)
+        info = await asyncio.to_thread(read_model_info, model)
+        extra = list(settings.server_args)
+        if info.has_swa and "--swa-full" not in extra:
+            # Without a full-size SWA cache the server never reuses a restored state. It costs
+            # KV memory: every layer keeps the whole context instead of the window.
+            log.info("%s is a sliding-window model: adding --swa-full", info.architecture)
+            extra.append("--swa-full")
         port = free_port()
         command = build_server_command(
             binary,
@@ -118,7 +126,7 @@ async def serve(settings: Settings) -> int:
             settings.slots,
             settings.ctx_size,
             settings.api_key,
-            settings.server_args,
+            extra,
         )
         server = ManagedServer(command, port, settings.api_key)
         await server.start(settings.server_start_timeout)

