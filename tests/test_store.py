@@ -78,7 +78,7 @@ def test_state_without_index_is_never_used(tmp_path: Path) -> None:
     assert not (tmp_path / f"{entry.key}.kv").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "magic", "symlink", "index"])
+@pytest.mark.parametrize("damage", ["truncate", "zero", "magic", "symlink", "index", "foreign"])
 def test_damaged_entries_are_dropped_at_start(tmp_path: Path, damage: str) -> None:
     store = Store(tmp_path, ttl=3600, max_bytes=0)
     store.open()
@@ -86,6 +86,13 @@ def test_damaged_entries_are_dropped_at_start(tmp_path: Path, damage: str) -> No
     kv = tmp_path / f"{entry.key}.kv"
     if damage == "truncate":
         kv.write_bytes(kv.read_bytes()[:100])
+    elif damage == "zero":
+        kv.write_bytes(b"")
+    elif damage == "foreign":  # a record copied in under another entry's name
+        other = "cd" * 16
+        (tmp_path / f"{other}.idx").write_bytes((tmp_path / f"{entry.key}.idx").read_bytes())
+        (tmp_path / f"{other}.kv").write_bytes(kv.read_bytes())
+        (tmp_path / f"{entry.key}.idx").unlink()
     elif damage == "magic":
         kv.write_bytes(b"\0" * 1000)
     elif damage == "symlink":
@@ -157,3 +164,13 @@ def test_check_state_file(tmp_path: Path) -> None:
     assert "not a llama.cpp" in (store.check_state_file(entry) or "")
     (tmp_path / f"{entry.key}.kv").unlink()
     assert store.check_state_file(entry) is not None
+
+
+def test_entries_of_another_model_never_match(tmp_path: Path) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    store.open()
+    save(store, 2)
+    conversation = [{"role": "user", "content": f"m{i}"} for i in range(3)]
+    other_model = keys.namespace("another-model.gguf", {}, None)
+    assert store.lookup(keys.chain(other_model, conversation), other_model) is None
+    assert store.lookup(keys.chain(NS, conversation), NS) is not None
