@@ -117,7 +117,6 @@ class ManagedServer:
         self.process: asyncio.subprocess.Process | None = None
         self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
         self._reader: asyncio.Task[None] | None = None
-        self._stopping = False
 
     async def start(self, timeout: float) -> None:
         log.info("starting %s", " ".join(self.command))
@@ -173,12 +172,7 @@ class ManagedServer:
         await self._drain_reader()
         return code
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
     async def stop(self, grace: float = 10.0) -> None:
-        self._stopping = True
         proc = self.process
         if proc is None or proc.returncode is not None:
             return

@@ -1143,7 +1143,7 @@ class FakeLlamaServer:
     def _cmpl_id(self) -> str:
         return f"chatcmpl-fake{self._next_id + 1:019d}"
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
+    async def _prompt_job(self, request: web.Request) -> _Job:
         body = await self._body(request)
         if "prompt" not in body:
             raise _RequestError('"prompt" is required')
@@ -1151,18 +1151,14 @@ class FakeLlamaServer:
         reply = self.reply(
             [{"role": "user", "content": token_bytes(prompt).decode("utf-8", "replace")}]
         )
-        job = self._job(body, prompt, reply, "n_predict", "max_tokens")
+        return self._job(body, prompt, reply, "n_predict", "max_tokens")
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        job = await self._prompt_job(request)
         return await self._drive(request, job, _CompletionFormat(self.model_name, self._cmpl_id()))
 
     async def _completion_oai(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        if "prompt" not in body:
-            raise _RequestError('"prompt" is required')
-        prompt = tokenize_mixed(body["prompt"], add_special=True)
-        reply = self.reply(
-            [{"role": "user", "content": token_bytes(prompt).decode("utf-8", "replace")}]
-        )
-        job = self._job(body, prompt, reply, "n_predict", "max_tokens")
+        job = await self._prompt_job(request)
         fmt = _OaiCompletionFormat(self.model_name, f"cmpl-fake{self._next_id + 1:019d}")
         return await self._drive(request, job, fmt)
 
