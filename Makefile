@@ -10,7 +10,7 @@ export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[server,dev]'
+	$(PY) -m pip install -e '.[server,bench,dev]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,10 +1,13 @@
-"""`kvproxy` command line: `serve` (sidecar or managed)."""
+"""`kvproxy` command line: `serve` (sidecar or managed) here; other subcommands live in the
+modules named in SUBCOMMANDS, each with `register(subparsers)` that sets `func` on its parser
+(`func(args) -> int`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 import sys
@@ -24,6 +27,9 @@ from .proxy import build_app
 
 log = logging.getLogger("kvproxy")
 
+# Modules that add subcommands. They keep heavy imports (matplotlib…) inside their commands.
+SUBCOMMANDS = ("kvproxy.doctor", "kvproxy.inventory", "kvproxy.bench.command")
+
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"
 
@@ -36,10 +42,10 @@ def _is_bool(annotation: Any) -> bool:
     return False
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+def _add_settings_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
     """One flag per Settings field, so flags, env vars and docs never drift apart."""
     for name, info in Settings.model_fields.items():
-        if name == "server_args":
+        if name == "server_args" or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
         env = f"KVPROXY_{name.upper()}"
@@ -73,7 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_settings_flags(serve)
+    serve.set_defaults(func=None)
+    for module in SUBCOMMANDS:
+        importlib.import_module(module).register(sub)
     return parser
+
+
+add_settings_flags = _add_settings_flags
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the Settings-field flags present in `args` (plus env vars)."""
+    cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return load_settings(cli)
 
 
 def load_settings(cli: dict[str, Any]) -> Settings:
@@ -191,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = args.index("--")
         args, server_args = args[:cut], args[cut + 1 :]
     parsed = build_parser().parse_args(args)
-    cli = {k: v for k, v in vars(parsed).items() if k != "command"}
+    if parsed.func is not None:
+        if server_args:
+            parsed.server_args = server_args
+        return int(parsed.func(parsed))
+    cli = {k: v for k, v in vars(parsed).items() if k not in ("command", "func")}
     if server_args:
         cli["server_args"] = server_args
     if parsed.command == "serve":
