@@ -26,6 +26,8 @@ from aiohttp import web
 from . import keys as keymod
 from .config import Settings
 from .errors import error_response
+from .events import Listener, MissExplanation, RequestEvent, SlotActionEvent
+from .explain import explain_miss
 from .relay import relay
 from .replies import ReplyCapture
 from .slots import Holding, QueueFull, Slot, SlotPool
@@ -87,6 +89,7 @@ class ConversationCache:
         self._disk_error_logged = False
         self._ineffective_streak: dict[str, int] = {}
         self._restores_off: set[str] = set()
+        self.listeners: list[Listener] = []
 
     # --- life cycle
 
@@ -191,6 +194,7 @@ class ConversationCache:
         return Plan(payload, ns, chain, messages)
 
     async def handle_chat(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        started = time.perf_counter()
         body = await request.read()
         try:
             payload = orjson.loads(body)
@@ -210,7 +214,19 @@ class ConversationCache:
         try:
             slot, _ = await self.pool.acquire(plan.keys, plan.namespace)
         except QueueFull as exc:
+            self._emit_request(
+                RequestEvent(
+                    request.path,
+                    "miss",
+                    503,
+                    plan.keys[-1],
+                    None,
+                    0.0,
+                    time.perf_counter() - started,
+                )
+            )
             return _busy(exc)
+        queue_wait = time.perf_counter() - started
         lease = _Lease(self, [slot])
         try:
             decision, headers = await lease.guarded(self._prepare_or_miss(slot, plan))
@@ -238,6 +254,24 @@ class ConversationCache:
             # The client has its whole reply; the bookkeeping goes on without it.
             lease.hand_off(self._after_reply(slot, plan, reply))
             self._log_request(plan, slot, decision, headers, reply, result.status)
+            timings = (reply.timings if reply is not None else None) or {}
+            self._emit_request(
+                RequestEvent(
+                    route=request.path,
+                    decision=decision,
+                    status=result.status,
+                    key=plan.keys[-1],
+                    slot=slot.id,
+                    queue_wait_s=queue_wait,
+                    duration_s=time.perf_counter() - started,
+                    restored_tokens=int(headers.get("X-KVProxy-Restored-Tokens", 0)),
+                    restore_ms=float(headers.get("X-KVProxy-Restore-Ms", 0.0)),
+                    cache_n=_int_or_none(timings.get("cache_n")),
+                    prompt_n=_int_or_none(timings.get("prompt_n")),
+                    prompt_ms=_float_or_none(timings.get("prompt_ms")),
+                    miss=self._explain_miss(plan) if decision == "miss" else None,
+                )
+            )
             return result.response
         finally:
             lease.release()
@@ -327,7 +361,8 @@ class ConversationCache:
 
     async def _relay_bypass(self, request: web.Request, path_qs: str, data: bytes) -> Any:
         self.stats.requests["bypass"] += 1
-        return await relay(
+        started = time.perf_counter()
+        result = await relay(
             request,
             self.upstream,
             path_qs,
@@ -335,6 +370,12 @@ class ConversationCache:
             body_replaced=True,
             extra_headers={"X-KVProxy-Cache": "bypass"},
         )
+        self._emit_request(
+            RequestEvent(
+                request.path, "bypass", result.status, duration_s=time.perf_counter() - started
+            )
+        )
+        return result
 
     # --- getting the conversation into its slot
 
@@ -472,6 +513,7 @@ class ConversationCache:
             await asyncio.to_thread(self.store.commit, entry, temp)
         except UpstreamError as exc:
             self.stats.save_failures += 1
+            self._emit_action(SlotActionEvent("save", False, seconds=time.perf_counter() - started))
             await asyncio.to_thread(self.store.discard_temp, temp)
             if exc.status == 501:
                 self.disk_enabled = False
@@ -485,12 +527,16 @@ class ConversationCache:
             return False
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.stats.save_failures += 1
+            self._emit_action(SlotActionEvent("save", False, seconds=time.perf_counter() - started))
             await asyncio.to_thread(self.store.discard_temp, temp)
             self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
             return False
         slot.saved = True
         self.stats.saves += 1
         self.stats.saved_bytes += entry.bytes
+        self._emit_action(
+            SlotActionEvent("save", True, n_saved, entry.bytes, time.perf_counter() - started)
+        )
         self._disk_error_logged = False
         log.info(
             "saved slot %d: %s, %d tokens, %d bytes in %.1f ms",
@@ -529,6 +575,9 @@ class ConversationCache:
                 # A failed restore erases the slot on the server.
                 slot.forget()
                 self.stats.restore_failures += 1
+                self._emit_action(
+                    SlotActionEvent("restore", False, seconds=time.perf_counter() - started)
+                )
                 if exc.status == 400:
                     log.warning("restore of %s failed, dropping it: %s", entry.key[:12], exc)
                     await self._drop(entry)
@@ -545,6 +594,7 @@ class ConversationCache:
             slot.snapshot = (prev_task, n_restored if prev_task is not None else None)
             self.stats.restores += 1
             self.stats.restored_tokens += n_restored
+            self._emit_action(SlotActionEvent("restore", True, n_restored, entry.bytes, ms / 1000))
             self._spawn(asyncio.to_thread(self.store.touch, entry.key))
             return n_restored, ms
         finally:
@@ -587,6 +637,35 @@ class ConversationCache:
         except Exception as exc:  # runs detached: nobody else would see it
             log.warning("after the reply on slot %d: %s", slot.id, exc)
             slot.forget()
+
+    def _emit_request(self, event: RequestEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_request(event)
+            except Exception:
+                log.exception("request listener %r failed", listener)
+
+    def _emit_action(self, event: SlotActionEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_slot_action(event)
+            except Exception:
+                log.exception("slot-action listener %r failed", listener)
+
+    def _explain_miss(self, plan: Plan) -> MissExplanation | None:
+        """Which known conversation of the same namespace this request came closest to."""
+        candidates = [
+            (f"slot {slot.id}", slot.holding.messages)
+            for slot in self.pool.slots
+            if slot.holding is not None
+            and slot.holding.namespace == plan.namespace
+            and slot.holding.messages
+        ]
+        try:
+            return explain_miss(plan.messages, candidates)
+        except Exception:
+            log.exception("explaining a miss failed")
+            return None
 
     def _spawn(self, coro: Any) -> None:
         self._track(asyncio.ensure_future(coro))
@@ -681,6 +760,14 @@ def _busy(exc: QueueFull) -> web.Response:
         "slots_busy",
         headers={"Retry-After": str(exc.retry_after)},
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) else None
+
+
+def _float_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
 
 
 def _model_identity(props: dict[str, Any]) -> str:
