@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
+from . import canonical
 from . import keys as keymod
 from .config import Settings
 from .errors import error_response
@@ -492,6 +493,8 @@ class ConversationCache:
 
     async def _save(self, slot: Slot) -> bool:
         """Save what the slot holds under its key. The slot must be ours (busy) and verified."""
+        if slot.holding is not None and not slot.holding.canonical and slot.holding.messages:
+            await self._make_canonical(slot)
         holding = slot.holding
         if holding is None:
             return False
@@ -548,6 +551,43 @@ class ConversationCache:
         )
         await self._evict()
         return True
+
+    async def _make_canonical(self, slot: Slot) -> None:
+        """Make the slot hold exactly the prefix the conversation's next request starts with
+        (see canonical.py), so the saved state is reused on every model class. Best effort:
+        when it cannot be done the slot is saved as it is."""
+        holding = slot.holding
+        assert holding is not None
+        started = time.perf_counter()
+        try:
+            tokens = await canonical.prefix_tokens(
+                self.upstream, holding.template, holding.messages
+            )
+        except (UpstreamError, ValueError) as exc:
+            log.debug("no canonical prefix for %s: %s", holding.key[:12], exc)
+            return
+        if not tokens:
+            return
+        try:
+            res = await self.upstream.post_json(
+                "/completion",
+                {"prompt": tokens, "n_predict": 0, "id_slot": slot.id, "cache_prompt": True},
+            )
+        except UpstreamError as exc:
+            log.warning("evaluating the canonical prefix on slot %d failed: %s", slot.id, exc)
+            await self._verify(slot)  # forgets the holding if the slot changed after all
+            return
+        await self._snapshot(slot)
+        holding.canonical = True
+        timings = res.get("timings") or {}
+        log.debug(
+            "slot %d: canonical prefix of %s is %d tokens (%s evaluated) in %.0f ms",
+            slot.id,
+            holding.key[:12],
+            len(tokens),
+            timings.get("prompt_n", "?"),
+            (time.perf_counter() - started) * 1000,
+        )
 
     def _disk_error(self, message: str) -> None:
         if not self._disk_error_logged:
@@ -625,6 +665,7 @@ class ConversationCache:
                     n_tokens,
                     len(plan.messages) + 1,
                     [*plan.messages, echoed],
+                    canonical.template_fields(plan.payload),
                 ),
                 saved=False,
             )

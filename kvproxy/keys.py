@@ -55,14 +55,17 @@ def namespace(model_identity: str, request: Mapping[str, Any], tenant: str | Non
 
 
 def _content(value: Any) -> Any:
-    """`null`, `""` and `[]` are the same; text-only parts join with newlines as the server does."""
+    """`null`, `""` and `[]` are the same; text-only parts join with newlines as the server does.
+
+    Surrounding whitespace is dropped: clients trim replies before echoing them, and a key
+    only chooses which state to load (the server still compares tokens)."""
     if value is None or value == "" or value == []:
         return ""
     if isinstance(value, str):
-        return value
+        return value.strip()
     if isinstance(value, list):
         if all(isinstance(p, Mapping) and p.get("type") == "text" for p in value):
-            return "\n".join(str(p.get("text", "")) for p in value)
+            return "\n".join(str(p.get("text", "")) for p in value).strip()
         return [_part(p) for p in value]
     raise UnkeyableRequest(f"message content of type {type(value).__name__}")
 

@@ -30,6 +30,8 @@ class Holding:
     n_tokens: int
     n_messages: int
     messages: list[Any] = field(default_factory=list)  # as the client will echo them
+    template: dict[str, Any] = field(default_factory=dict)  # request fields the template reads
+    canonical: bool = False  # the slot holds exactly the next request's canonical prefix
 
     @property
     def key(self) -> str:

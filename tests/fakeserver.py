@@ -163,8 +163,10 @@ def render_chat(messages: list[Json], add_generation_prompt: bool = True) -> str
         role = msg.get("role", "user")
         role = "model" if role == "assistant" else role
         text = content_text(msg.get("content"))
-        if msg.get("tool_calls"):
-            text += json.dumps(msg["tool_calls"], ensure_ascii=False)
+        for call in msg.get("tool_calls") or []:
+            # Like templates that print the arguments string as the client sent it.
+            fn = call.get("function") or {}
+            text += f"<tool_call>{fn.get('name')} {fn.get('arguments')}</tool_call>"
         end = "" if prefill and i == len(messages) - 1 else "<end_of_turn>\n"
         out.append(f"<start_of_turn>{role}\n{text}{end}")
     if add_generation_prompt:

@@ -32,6 +32,13 @@ def test_empty_content_forms_are_the_same() -> None:
     assert len(results) == 1
 
 
+def test_a_trimmed_echo_keys_like_the_reply() -> None:
+    """Clients trim replies before echoing them; the key must still find the saved state."""
+    generated = chain([{"role": "assistant", "content": "The answer.  \n"}])
+    assert generated == chain([{"role": "assistant", "content": "The answer."}])
+    assert generated != chain([{"role": "assistant", "content": "The answer!"}])
+
+
 def test_text_parts_key_like_the_joined_string() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert chain([{"role": "user", "content": parts}]) == chain(

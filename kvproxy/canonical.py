@@ -1,0 +1,130 @@
+"""The canonical prefix: the tokens a conversation's next request will certainly start with.
+
+Right after a reply, a slot holds the prompt plus the tokens the model generated. The next
+request carries the reply as the client echoes it, rendered by the chat template: other
+tokens at the end (an end-of-turn marker instead of the last sampled token, whitespace a
+client trimmed, tool-call arguments it re-serialised, reasoning it dropped). A model with
+full attention reuses the common prefix anyway; recurrent and hybrid models, and restored
+states without context checkpoints, reuse nothing unless the next prompt extends the saved
+tokens exactly. So before a save the slot is made to hold exactly the prefix every plausible
+next request shares: rendered by the server's own template for a few echo styles and a few
+next messages, tokenised as the server tokenises prompts, cut at the longest common prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from .keys import PROMPT_FIELDS
+from .upstream import Upstream, UpstreamError
+
+# Request fields that the server's template rendering reads, beyond the messages.
+TEMPLATE_FIELDS = (*PROMPT_FIELDS, "tool_choice", "response_format")
+
+# Two next messages that share nothing after their role marker, so the common prefix stops
+# right where the next message's content starts.
+NEXT_MESSAGES = (
+    {"role": "user", "content": "A"},
+    {"role": "user", "content": "Zebra, 42?"},
+)
+
+
+def template_fields(payload: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: payload[name] for name in TEMPLATE_FIELDS if name in payload}
+
+
+def echo_variants(reply: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The reply as different clients send it back: as generated, with the text's surrounding
+    whitespace trimmed, and with tool-call arguments re-serialised with and without spaces.
+    Where the template renders these alike, they cost nothing."""
+    variants = [dict(reply)]
+    for separators in ((", ", ": "), (",", ":")):
+        other = copy.deepcopy(dict(reply))
+        if isinstance(other.get("content"), str):
+            other["content"] = other["content"].strip() or None
+        for call in other.get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                fn["arguments"] = _reserialised(fn["arguments"], separators)
+        if other not in variants:
+            variants.append(other)
+    return variants
+
+
+def _reserialised(arguments: str, separators: tuple[str, str]) -> str:
+    # The stdlib, not orjson: clients write both spacings, orjson only the compact one.
+    try:
+        return json.dumps(json.loads(arguments), separators=separators, ensure_ascii=False)
+    except ValueError:
+        return arguments
+
+
+def renderable(messages: Sequence[Any]) -> bool:
+    """Text-only conversations: media parts become tokens only the server can compute."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(
+            not isinstance(p, Mapping) or p.get("type") != "text" for p in content
+        ):
+            return False
+    return True
+
+
+def common_prefix(sequences: Sequence[Sequence[int]]) -> list[int]:
+    first = sequences[0]
+    n = min(len(s) for s in sequences)
+    for i in range(n):
+        token = first[i]
+        if any(s[i] != token for s in sequences[1:]):
+            n = i
+            break
+    return list(first[:n])
+
+
+async def prefix_tokens(
+    upstream: Upstream, fields: Mapping[str, Any], messages: Sequence[Any]
+) -> list[int] | None:
+    """The canonical prefix of the request after `messages` (whose last one is the reply as
+    echoed), or None when the server cannot render it (then the slot is saved as it is)."""
+    if not messages or not renderable(messages):
+        return None
+    history, reply = list(messages[:-1]), messages[-1]
+    variants = echo_variants(reply)
+    renders = [[*history, variants[0], nxt] for nxt in NEXT_MESSAGES]
+    renders += [[*history, echo, NEXT_MESSAGES[0]] for echo in variants[1:]]
+    prompts = await asyncio.gather(*(_render(upstream, fields, m) for m in renders))
+    unique = list(dict.fromkeys(p for p in prompts if p is not None))
+    if len(unique) < 2:
+        # One rendering (or none) tells nothing about where the next message starts.
+        return None
+    token_lists = await asyncio.gather(*(_tokenize(upstream, p) for p in unique))
+    return common_prefix(token_lists) or None
+
+
+async def _render(upstream: Upstream, fields: Mapping[str, Any], messages: list[Any]) -> str | None:
+    body = {**fields, "messages": messages}
+    try:
+        res = await upstream.post_json("/apply-template", body)
+    except UpstreamError:
+        # A template may refuse one of the probe shapes (say, a tool reply where it expects
+        # none); the other probes still bound the prefix.
+        return None
+    prompt = res.get("prompt") if isinstance(res, dict) else None
+    return prompt if isinstance(prompt, str) else None
+
+
+async def _tokenize(upstream: Upstream, prompt: str) -> list[int]:
+    # add_special: the server tokenises chat prompts with it (BOS); without it nothing matches.
+    res = await upstream.post_json(
+        "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
+    )
+    tokens = res.get("tokens") if isinstance(res, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise ValueError(f"/tokenize answered {orjson.dumps(res)[:200]!r}")
+    return tokens
