@@ -22,6 +22,7 @@ from kvproxy.managed import find_server_binary, free_port, resolve_model, server
 from kvproxy.proxy import SERVICE, build_app
 
 from .fakeserver import FakeLlamaServer
+from .ggufmodels import model_files
 
 
 @dataclass
@@ -164,6 +165,12 @@ def real_server_dir() -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random-weight dense, recurrent and hybrid GGUF files (see ggufmodels.py)."""
+    return model_files(tmp_path_factory.mktemp("gguf-models"))
 
 
 @pytest.fixture(scope="session")

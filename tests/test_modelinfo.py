@@ -19,11 +19,6 @@ from .conftest import RealServer, start_real_server
 from .ggufmodels import model_files
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return model_files(tmp_path_factory.mktemp("gguf-models"))
-
-
 def write_metadata_only(path: Path, arch: str, **keys: Any) -> Path:
     """A GGUF with metadata and no tensors: enough for read_model_info."""
     w = gguf.GGUFWriter(path, arch)
