@@ -1,0 +1,120 @@
+"""The benchmark's HTTP client: chat requests with their server-side timings, and the token
+counts behind "ideal prefill" (rendered with /apply-template, counted with /tokenize)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+@dataclass
+class Reply:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+    seconds: float  # wall time of the whole request, client side
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def timings(self) -> dict[str, Any]:
+        return self.body.get("timings") or {}
+
+    @property
+    def cache_n(self) -> int:
+        return int(self.timings.get("cache_n", 0))
+
+    @property
+    def prompt_n(self) -> int:
+        return int(self.timings.get("prompt_n", 0))
+
+    @property
+    def server_ms(self) -> float:
+        """Time the server spent on the prompt and the reply (not queueing, not restoring)."""
+        return float(self.timings.get("prompt_ms", 0.0)) + float(
+            self.timings.get("predicted_ms", 0.0)
+        )
+
+    @property
+    def content(self) -> str:
+        try:
+            return str(self.body["choices"][0]["message"]["content"] or "")
+        except (KeyError, IndexError, TypeError):
+            return ""
+
+    @property
+    def cache_state(self) -> str:
+        return self.headers.get("X-KVProxy-Cache", "-")
+
+
+@dataclass
+class Client:
+    """One session per benchmark: connection set-up is not what we measure."""
+
+    session: aiohttp.ClientSession = field(
+        default_factory=lambda: aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)
+        )
+    )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def chat(
+        self, base: str, messages: list[dict[str, Any]], max_tokens: int, **extra: Any
+    ) -> Reply:
+        """Non-streamed, greedy: the reply carries `timings` (cache_n, prompt_n, prompt_ms)."""
+        body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, **extra}
+        started = time.perf_counter()
+        try:
+            async with self.session.post(base + "/v1/chat/completions", json=body) as resp:
+                raw = await resp.read()
+                seconds = time.perf_counter() - started
+                try:
+                    parsed = await resp.json(content_type=None) if raw else {}
+                except ValueError:
+                    parsed = {"raw": raw[:300].decode("utf-8", "replace")}
+                error = None if resp.status == 200 else f"HTTP {resp.status}: {str(parsed)[:200]}"
+                return Reply(resp.status, parsed, dict(resp.headers), seconds, error)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            seconds = time.perf_counter() - started
+            return Reply(0, {}, {}, seconds, f"{type(exc).__name__}: {exc}")
+
+    async def post_json(self, url: str, body: dict[str, Any]) -> Any:
+        async with self.session.post(url, json=body) as resp:
+            resp.raise_for_status()
+            return await resp.json()
+
+    async def get_json(self, url: str) -> Any:
+        async with self.session.get(url) as resp:
+            resp.raise_for_status()
+            return await resp.json()
+
+    async def prompt_tokens(
+        self, base: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The tokens the server evaluates for `messages`: the chat template rendered by the
+        server, tokenised with `add_special` as the server tokenises prompts (BOS included)."""
+        rendered = await self.post_json(
+            base + "/apply-template",
+            {"messages": messages, "add_generation_prompt": add_generation_prompt},
+        )
+        tokens = await self.post_json(
+            base + "/tokenize", {"content": rendered["prompt"], "add_special": True}
+        )
+        return [int(t) for t in tokens["tokens"]]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
