@@ -1,0 +1,266 @@
+"""deploy/: the systemd units verify, keep their hardening, agree on the shared cache dir, and
+start a working llama-server + kvproxy pair; kvproxy.env names only real settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvproxy.config import Settings
+from kvproxy.managed import find_server_binary, free_port, server_command
+
+from .conftest import bundled_model
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+UNITS = ("kvproxy.service", "llama-server.service")
+CACHE_DIR = "/var/cache/kvproxy"
+# The paths the units use, as deploy/README.md installs them.
+KVPROXY_BIN = "/opt/kvproxy/venv/bin/kvproxy"
+LLAMA_BIN = "/usr/local/bin/llama-server"
+ENV_FILE = "/etc/kvproxy/kvproxy.env"
+
+
+def unit_settings(name: str) -> dict[str, list[str]]:
+    """Directive -> its values in order, from the [Service]/[Unit]/[Install] sections."""
+    lines = (DEPLOY / name).read_text().splitlines()
+    joined: list[str] = []
+    carry = ""
+    for line in lines:
+        if line.lstrip().startswith(("#", ";")) and not carry:
+            continue
+        if line.endswith("\\"):
+            carry += line[:-1] + " "
+            continue
+        joined.append(carry + line)
+        carry = ""
+    out: dict[str, list[str]] = {}
+    for line in joined:
+        if "=" in line and not line.startswith("["):
+            key, value = line.split("=", 1)
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def env_file() -> str:
+    return (DEPLOY / "kvproxy.env").read_text()
+
+
+def active_env() -> dict[str, str]:
+    """The KEY=value lines kvproxy.env sets (comments excluded)."""
+    pairs = {}
+    for line in env_file().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def kvproxy_bin() -> Path:
+    path = Path(sys.executable).parent / "kvproxy"
+    assert path.is_file(), f"{path}: kvproxy is not installed in this venv"
+    return path
+
+
+def installed_copies(tmp_path: Path) -> list[Path]:
+    """The units with their binaries and env file pointed at real files on this machine."""
+    copies = []
+    for name in UNITS:
+        text = (DEPLOY / name).read_text()
+        text = text.replace(KVPROXY_BIN, str(kvproxy_bin()))
+        text = text.replace(LLAMA_BIN, str(find_server_binary(None)))
+        text = text.replace(ENV_FILE, str(DEPLOY / "kvproxy.env"))
+        copy = tmp_path / name
+        copy.write_text(text)
+        copies.append(copy)
+    return copies
+
+
+def systemd_analyze() -> str:
+    found = shutil.which("systemd-analyze")
+    assert found, "systemd-analyze is missing: apt-get install systemd"
+    return found
+
+
+def verify(units: list[Path]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [systemd_analyze(), "verify", "--man=no", *map(str, units)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_units_verify(tmp_path: Path) -> None:
+    done = verify(installed_copies(tmp_path))
+    output = done.stdout + done.stderr
+    about_ours = [line for line in output.splitlines() if any(u in line for u in UNITS)]
+    assert done.returncode == 0, output
+    assert about_ours == [], output
+
+
+def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
+    """The check above is live: a misspelt directive and a missing binary are reported."""
+    kvproxy_unit, _ = installed_copies(tmp_path)
+    text = kvproxy_unit.read_text().replace("ProtectSystem=", "ProtectSytem=")
+    kvproxy_unit.write_text(text.replace(str(kvproxy_bin()), "/nonexistent/kvproxy"))
+    done = verify([kvproxy_unit])
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "ProtectSytem" in output and "/nonexistent/kvproxy" in output
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_units_are_hardened(name: str) -> None:
+    unit = unit_settings(name)
+    for key, value in {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "PrivateTmp": "yes",
+        "ProtectHome": "yes",
+        "Restart": "on-failure",
+        "ReadWritePaths": CACHE_DIR,
+        "CacheDirectory": "kvproxy",
+        "CacheDirectoryMode": "0700",
+        "UMask": "0077",
+        "CapabilityBoundingSet": "",
+    }.items():
+        assert unit.get(key) == [value], (name, key, unit.get(key))
+
+
+def test_both_units_share_one_user_and_the_cache_dir() -> None:
+    """llama-server writes 0600 state files that kvproxy renames and deletes: same owner."""
+    kv, llama = unit_settings("kvproxy.service"), unit_settings("llama-server.service")
+    assert kv["User"] == llama["User"] and kv["Group"] == llama["Group"]
+    assert kv["User"] != ["root"]
+    words = llama["ExecStart"][0].split()
+    assert words[words.index("--slot-save-path") + 1] == CACHE_DIR
+    assert active_env()["KVPROXY_CACHE_DIR"] == CACHE_DIR
+    assert kv["EnvironmentFile"] == [ENV_FILE]
+    assert kv["ExecStart"] == [f"{KVPROXY_BIN} serve"]
+    # kvproxy saves every slot on SIGTERM: it must stop before the server does.
+    assert "llama-server.service" in " ".join(kv["After"])
+
+
+def test_llama_server_unit_has_the_flags_kvproxy_needs(tmp_path: Path) -> None:
+    """The same words managed mode uses, plus --swa-full for sliding-window models."""
+    managed = server_command(Path("llama-server"), Path("m.gguf"), 1, tmp_path, 2, 256, None, [])
+    words = unit_settings("llama-server.service")["ExecStart"][0].split()
+    for flag in ("--slot-save-path", "--parallel", "--no-kv-unified", "--ctx-size"):
+        assert flag in managed and flag in words, flag
+    assert "--swa-full" in words
+    assert words[words.index("--host") + 1] == "127.0.0.1"
+
+
+def test_env_file_names_only_real_settings() -> None:
+    named = set(re.findall(r"\bKVPROXY_[A-Z0-9_]+", env_file()))
+    fields = {f"KVPROXY_{name.upper()}" for name in Settings.model_fields}
+    assert named, "no KVPROXY_ variables found"
+    assert named <= fields, f"not settings: {sorted(named - fields)}"
+
+
+def test_env_file_values_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("KVPROXY_"):
+            monkeypatch.delenv(key)
+    for key, value in active_env().items():
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    assert settings.upstream_url == "http://127.0.0.1:8080"
+    assert settings.loopback and settings.port == 8081
+    assert str(settings.cache_dir) == CACHE_DIR
+
+
+def expand(word: str, env: dict[str, str]) -> list[str]:
+    """systemd's ExecStart expansion: ${VAR} stays one word, a bare $VAR splits on spaces."""
+    bare = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
+    if bare:
+        return env.get(bare.group(1), "").split()
+    return [re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: env[m.group(1)], word)]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    for _ in range(600):
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} never became healthy: {log.read_text()[-3000:]}")
+
+
+def chat(url: str, body: dict) -> tuple[str, dict]:
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return resp.headers["X-KVProxy-Cache"], json.loads(resp.read())
+
+
+@pytest.mark.real
+def test_the_units_commands_work_together(tmp_path: Path) -> None:
+    """llama-server.service's ExecStart and kvproxy.service's ExecStart + env file, run as
+    systemd would (paths, port and model swapped for this machine's): turn 2 is cached."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    llama_port, proxy_port = free_port(), free_port()
+    unit = unit_settings("llama-server.service")
+    env = dict(v.split("=", 1) for v in unit["Environment"])
+    env.update(LLAMA_MODEL=str(bundled_model()), LLAMA_CTX_SIZE="4096")
+    words = [w for word in unit["ExecStart"][0].split() for w in expand(word, env)]
+    words = [str(cache) if w == CACHE_DIR else w for w in words]
+    words[0] = str(find_server_binary(None))
+    words[words.index("--port") + 1] = str(llama_port)
+
+    proxy_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPROXY_")}
+    proxy_env.update(active_env())
+    proxy_env.update(
+        KVPROXY_UPSTREAM=f"http://127.0.0.1:{llama_port}",
+        KVPROXY_CACHE_DIR=str(cache),
+        KVPROXY_PORT=str(proxy_port),
+    )
+    kv_words = unit_settings("kvproxy.service")["ExecStart"][0].split()
+    kv_words[0] = str(kvproxy_bin())
+
+    llama_log, proxy_log = tmp_path / "llama.log", tmp_path / "kvproxy.log"
+    with open(llama_log, "wb") as out:
+        llama = subprocess.Popen(words, stdout=out, stderr=subprocess.STDOUT)
+    with open(proxy_log, "wb") as out:
+        proxy = subprocess.Popen(kv_words, env=proxy_env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{llama_port}", llama, llama_log)
+        wait_healthy(f"http://127.0.0.1:{proxy_port}", proxy, proxy_log)
+        messages = [{"role": "user", "content": "Say hello."}]
+        verdicts = []
+        for _ in range(2):
+            verdict, reply = chat(
+                f"http://127.0.0.1:{proxy_port}", {"messages": messages, "max_tokens": 8}
+            )
+            verdicts.append(verdict)
+            answer = reply["choices"][0]["message"]["content"]
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "Again."},
+            ]
+        assert verdicts[1] in ("resident", "restored"), (verdicts, proxy_log.read_text())
+    finally:
+        for proc in (proxy, llama):
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
