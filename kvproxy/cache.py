@@ -254,25 +254,27 @@ class ConversationCache:
                 )
             # The client has its whole reply; the bookkeeping goes on without it.
             lease.hand_off(self._after_reply(slot, plan, reply))
-            self._log_request(plan, slot, decision, headers, reply, result.status)
             timings = (reply.timings if reply is not None else None) or {}
-            self._emit_request(
-                RequestEvent(
-                    route=request.path,
-                    decision=decision,
-                    status=result.status,
-                    key=plan.keys[-1],
-                    slot=slot.id,
-                    queue_wait_s=queue_wait,
-                    duration_s=time.perf_counter() - started,
-                    restored_tokens=int(headers.get("X-KVProxy-Restored-Tokens", 0)),
-                    restore_ms=float(headers.get("X-KVProxy-Restore-Ms", 0.0)),
-                    cache_n=_int_or_none(timings.get("cache_n")),
-                    prompt_n=_int_or_none(timings.get("prompt_n")),
-                    prompt_ms=_float_or_none(timings.get("prompt_ms")),
-                    miss=self._explain_miss(plan) if decision == "miss" else None,
-                )
+            event = RequestEvent(
+                route=request.path,
+                decision=decision,
+                status=result.status,
+                key=plan.keys[-1],
+                slot=slot.id,
+                queue_wait_s=queue_wait,
+                duration_s=time.perf_counter() - started,
+                restored_tokens=int(headers.get("X-KVProxy-Restored-Tokens", 0)),
+                restore_ms=float(headers.get("X-KVProxy-Restore-Ms", 0.0)),
+                cache_n=_int_or_none(timings.get("cache_n")),
+                prompt_n=_int_or_none(timings.get("prompt_n")),
+                prompt_ms=_float_or_none(timings.get("prompt_ms")),
             )
+            if decision == "miss":
+                # Explaining may read stored conversations (in a thread); the client may hang
+                # up meanwhile, cancelling this handler, so it runs detached.
+                self._spawn(self._emit_explained(event, plan, self._resident_texts(plan)))
+            else:
+                self._emit_request(event)
             return result.response
         finally:
             lease.release()
@@ -441,6 +443,8 @@ class ConversationCache:
         holding = slot.holding
         if holding is None or slot.saved or not self.disk_enabled:
             return False
+        if holding.namespace in self._restores_off:
+            return False  # it would never be restored
         if holding.n_tokens < self.settings.min_tokens:
             return False
         if incoming is not None:
@@ -512,6 +516,7 @@ class ConversationCache:
                 created=time.time(),
                 last_used=time.time(),
                 chain=list(holding.chain),
+                messages=list(holding.messages),
             )
             await asyncio.to_thread(self.store.commit, entry, temp)
         except UpstreamError as exc:
@@ -693,16 +698,33 @@ class ConversationCache:
             except Exception:
                 log.exception("slot-action listener %r failed", listener)
 
-    def _explain_miss(self, plan: Plan) -> MissExplanation | None:
-        """Which known conversation of the same namespace this request came closest to."""
-        candidates = [
+    async def _emit_explained(
+        self, event: RequestEvent, plan: Plan, candidates: list[tuple[str, list[Any]]]
+    ) -> None:
+        event.miss = await self._explain_miss(plan, candidates)
+        self._emit_request(event)
+
+    def _resident_texts(self, plan: Plan) -> list[tuple[str, list[Any]]]:
+        """The conversations in slots, same namespace only (so never another tenant's).
+        Taken before the reply's bookkeeping replaces what the request's slot held."""
+        return [
             (f"slot {slot.id}", slot.holding.messages)
             for slot in self.pool.slots
             if slot.holding is not None
             and slot.holding.namespace == plan.namespace
             and slot.holding.messages
         ]
+
+    async def _explain_miss(
+        self, plan: Plan, candidates: list[tuple[str, list[Any]]]
+    ) -> MissExplanation | None:
+        """Which known conversation of the same namespace this request came closest to:
+        `candidates` (from slots), and the most recently used stored ones."""
         try:
+            stored = self.store.recent_with_text(plan.namespace)
+            if stored:
+                texts = await asyncio.to_thread(self.store.read_many_messages, stored)
+                candidates = [*candidates, *((f"disk {k[:12]}", m) for k, m in texts)]
             return explain_miss(plan.messages, candidates)
         except Exception:
             log.exception("explaining a miss failed")
@@ -714,27 +736,6 @@ class ConversationCache:
     def _track(self, task: asyncio.Future[Any]) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def _log_request(
-        self,
-        plan: Plan,
-        slot: Slot,
-        decision: str,
-        headers: dict[str, str],
-        reply: Any,
-        status: int,
-    ) -> None:
-        timings = (reply.timings if reply is not None else None) or {}
-        log.info(
-            "chat %s slot=%d %s restored=%s cache_n=%s prompt_n=%s status=%d",
-            plan.keys[-1][:12],
-            slot.id,
-            decision,
-            headers.get("X-KVProxy-Restored-Tokens", "0"),
-            timings.get("cache_n", "-"),
-            timings.get("prompt_n", "-"),
-            status,
-        )
 
     def snapshot_stats(self) -> dict[str, Any]:
         return {

@@ -24,6 +24,7 @@ from .managed import ManagedServer, ServerError, find_server_binary, free_port, 
 from .managed import server_command as build_server_command
 from .modelinfo import read_model_info
 from .proxy import build_app
+from .requestlog import JsonFormatter
 
 log = logging.getLogger("kvproxy")
 
@@ -107,18 +108,24 @@ def load_settings(cli: dict[str, Any]) -> Settings:
         raise SystemExit(f"kvproxy: invalid setting: {'; '.join(problems)}") from None
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, json_lines: bool = False) -> None:
+    """Plain text on stderr, or with `json_lines` one JSON object per record (all of them,
+    llama-server's relayed lines included), for log shippers."""
     root = logging.getLogger()
     root.handlers.clear()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
+    handler.setFormatter(
+        JsonFormatter() if json_lines else logging.Formatter(LOG_FORMAT, "%H:%M:%S")
+    )
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     llama = logging.getLogger("llama-server")
     llama.propagate = False
     llama_handler = logging.StreamHandler(sys.stderr)
-    llama_handler.setFormatter(logging.Formatter(LLAMA_LOG_FORMAT, "%H:%M:%S"))
+    llama_handler.setFormatter(
+        JsonFormatter() if json_lines else logging.Formatter(LLAMA_LOG_FORMAT, "%H:%M:%S")
+    )
     llama.handlers = [llama_handler]
 
 
@@ -218,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli["server_args"] = server_args
     if parsed.command == "serve":
         settings = load_settings(cli)
-        setup_logging(settings.log_level)
+        setup_logging(settings.log_level, settings.log_json)
         try:
             return asyncio.run(serve(settings))
         except ServerError as exc:

@@ -101,6 +101,7 @@ class Settings(BaseSettings):
     )
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_json: bool = Field(False, description="log one JSON object per line (every log record)")
 
     @field_validator("tenant_header")
     @classmethod

@@ -1,9 +1,461 @@
-"""`kvproxy ls|rm|gc|stats`: what the cache dir holds, and what a running proxy reports."""
+"""`kvproxy ls|rm|gc|stats`: what the cache dir holds, and what a running proxy reports.
+
+`ls`, `rm` and `gc` work on the cache dir directly and are safe while a proxy uses it: they
+load the index read-only (no start-up sweep, which could delete a save in flight), and
+delete entries the way the proxy does, commit marker first. A proxy that later looks for a
+removed entry finds its state file gone and answers the request as a miss.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from typing import Any, TextIO
+
+import orjson
+from pydantic import ByteSize, TypeAdapter
+
+from .config import Settings, parse_duration
+from .store import Entry, Store
+
+MIN_PREFIX = 6
+PROGRESS_MIN = 100  # operations on at least this many entries report progress on stderr
+SORTS: dict[str, tuple[Callable[[Entry], float], bool]] = {
+    # name: (key, descending): the default direction puts the most interesting first
+    "last-used": (lambda e: e.last_used, True),
+    "age": (lambda e: e.created, False),  # oldest first
+    "size": (lambda e: e.bytes + e.msgs_bytes, True),
+    "tokens": (lambda e: e.n_tokens, True),
+    "hits": (lambda e: e.hits, True),
+}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    del sub  # not built yet
+    from .cli import add_settings_flags
+
+    ls = sub.add_parser(
+        "ls",
+        help="list the cache dir's entries",
+        description="List cached conversations: key prefix, tokens, size on disk, age, "
+        "last use, restores (hits) and messages. Read-only; safe while a proxy runs.",
+    )
+    ls.add_argument("--sort", choices=sorted(SORTS), default="last-used", help="sort order")
+    ls.add_argument("--reverse", action="store_true", help="reverse the sort order")
+    ls.add_argument("--limit", type=int, metavar="N", help="show at most N entries")
+    ls.add_argument("--min-size", metavar="SIZE", help="only entries of at least SIZE (10MiB)")
+    ls.add_argument(
+        "--older-than", metavar="AGE", help="only entries created at least AGE ago (2h, 3d)"
+    )
+    ls.add_argument("--unused-for", metavar="AGE", help="only entries last used at least AGE ago")
+    ls.add_argument("--json", action="store_true", help="print a JSON array")
+    add_settings_flags(ls, only=["cache_dir"])
+    ls.set_defaults(func=cmd_ls)
+
+    rm = sub.add_parser(
+        "rm",
+        help="remove cache entries",
+        description="Remove entries by key prefix (at least 6 hex characters, as `kvproxy ls` "
+        "shows them), or all of them. Safe while a proxy runs: it treats them as misses.",
+    )
+    rm.add_argument("keys", nargs="*", metavar="KEY", help="key prefix of an entry")
+    rm.add_argument("--all", action="store_true", help="remove every entry")
+    add_settings_flags(rm, only=["cache_dir"])
+    rm.set_defaults(func=cmd_rm)
+
+    gc = sub.add_parser(
+        "gc",
+        help="apply the TTL and the byte budget now",
+        description="Evict entries unused for longer than --ttl, then the least recently "
+        "used ones until the cache fits --max-disk, as the proxy does before each lookup.",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be evicted")
+    add_settings_flags(gc, only=["cache_dir", "ttl", "max_disk"])
+    gc.set_defaults(func=cmd_gc)
+
+    stats = sub.add_parser(
+        "stats",
+        help="show a running proxy's statistics",
+        description="Read GET /kvproxy/stats of a running proxy and print it as a table.",
+    )
+    stats.add_argument("--url", help="the proxy's URL (default: from --host and --port)")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON")
+    add_settings_flags(stats, only=["host", "port", "admin_token"])
+    stats.set_defaults(func=cmd_stats)
+
+
+# --- ls
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    store, code = _open(settings)
+    if store is None:
+        return code
+    now = time.time()
+    try:
+        min_size = int(TypeAdapter(ByteSize).validate_python(args.min_size or 0))
+        older = _duration(args.older_than, "--older-than")
+        unused = _duration(args.unused_for, "--unused-for")
+    except ValueError as exc:
+        return _fail(str(exc))
+    entries = [
+        e
+        for e in store.entries.values()
+        if e.bytes + e.msgs_bytes >= min_size
+        and (older is None or now - e.created >= older)
+        and (unused is None or now - e.last_used >= unused)
+    ]
+    key, descending = SORTS[args.sort]
+    entries.sort(key=key, reverse=descending != args.reverse)
+    shown = entries[: args.limit] if args.limit is not None else entries
+    if args.json:
+        print(
+            orjson.dumps([_entry_json(e, now) for e in shown], option=orjson.OPT_INDENT_2).decode()
+        )
+        return 0
+    rows = [
+        [
+            e.key[:12],
+            f"{e.n_tokens:,}",
+            human_bytes(e.bytes + e.msgs_bytes),
+            human_age(now - e.created),
+            human_age(now - e.last_used) + " ago",
+            str(e.hits),
+            str(e.n_messages),
+        ]
+        for e in shown
+    ]
+    if rows:
+        _table(["KEY", "TOKENS", "SIZE", "AGE", "LAST USED", "HITS", "MSGS"], rows, {1, 2, 5, 6})
+    total = sum(e.bytes + e.msgs_bytes for e in entries)
+    more = f" (showing {len(shown)})" if len(shown) < len(entries) else ""
+    print(
+        f"{len(entries)} entries{more}, {human_bytes(total)} in {settings.cache_dir} "
+        f"(all: {len(store.entries)}, {human_bytes(store.total_bytes)}; "
+        f"budget {_budget(settings)}, ttl {human_age(settings.ttl) if settings.ttl else 'none'})"
+    )
+    return 0
+
+
+def _entry_json(e: Entry, now: float) -> dict[str, Any]:
+    return {
+        "key": e.key,
+        "namespace": e.namespace,
+        "tokens": e.n_tokens,
+        "bytes": e.bytes + e.msgs_bytes,
+        "state_bytes": e.bytes,
+        "text_bytes": e.msgs_bytes,
+        "messages": e.n_messages,
+        "hits": e.hits,
+        "created": e.created,
+        "last_used": e.last_used,
+        "age_s": round(now - e.created, 3),
+        "idle_s": round(now - e.last_used, 3),
+    }
+
+
+# --- rm
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    if args.all == bool(args.keys):
+        return _fail("give one or more KEY prefixes, or --all", 2)
+    settings = _settings(args)
+    store, code = _open(settings, quiet=args.all)
+    if store is None:
+        return code
+    if args.all:
+        victims = list(store.entries.values())
+        damaged = [key for key, _ in store.problems]
+    else:
+        victims, damaged = [], []
+        for prefix in args.keys:
+            found = _match(store, prefix)
+            if isinstance(found, str):
+                return _fail(found)  # nothing is removed unless every key is clear
+            if found not in victims:
+                victims.append(found)
+    if not victims and not damaged:
+        print(f"nothing to remove in {settings.cache_dir}")
+        return 0
+    with Progress("removing", len(victims)) as progress:
+        for entry in victims:
+            store.remove(entry.key)
+            if len(victims) <= 20:
+                print(
+                    f"removed {entry.key[:12]} ({entry.n_tokens:,} tokens, "
+                    f"{human_bytes(entry.bytes + entry.msgs_bytes)})"
+                )
+            progress.step()
+    for key in damaged:
+        store.remove_damaged(key)
+    freed = sum(e.bytes + e.msgs_bytes for e in victims)
+    extra = f" and {len(damaged)} damaged" if damaged else ""
+    print(f"removed {len(victims)} entries{extra}, {human_bytes(freed)} freed")
+    return 0
+
+
+def _match(store: Store, prefix: str) -> Entry | str:
+    """The one entry whose key starts with `prefix`, or what is wrong with it."""
+    prefix = prefix.lower()
+    if len(prefix) < MIN_PREFIX or any(c not in "0123456789abcdef" for c in prefix):
+        return f"{prefix!r}: a key prefix is at least {MIN_PREFIX} hex characters (see kvproxy ls)"
+    matches = [e for k, e in store.entries.items() if k.startswith(prefix)]
+    if not matches:
+        return f"{prefix}: no entry with this key prefix in {store.root}"
+    if len(matches) > 1:
+        listed = ", ".join(sorted(e.key for e in matches))
+        return f"{prefix}: ambiguous, {len(matches)} entries match: {listed}"
+    return matches[0]
+
+
+# --- gc
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    store, code = _open(settings)
+    if store is None:
+        return code
+    now = time.time()
+    before_n, before_bytes = len(store.entries), store.total_bytes
+    expired = {
+        e.key for e in store.entries.values() if store.ttl > 0 and now - e.last_used > store.ttl
+    }
+    victims = store.select_victims(now)
+    freed = sum(e.bytes + e.msgs_bytes for e in victims)
+    by_ttl = sum(1 for e in victims if e.key in expired)
+    why = f"{by_ttl} unused for over {human_age(store.ttl)}, {len(victims) - by_ttl} over budget"
+    if args.dry_run:
+        for entry in victims[:20]:
+            print(
+                f"would evict {entry.key[:12]} ({human_bytes(entry.bytes + entry.msgs_bytes)}, "
+                f"last used {human_age(now - entry.last_used)} ago)"
+            )
+        if len(victims) > 20:
+            print(f"… and {len(victims) - 20} more")
+        print(
+            f"would evict {len(victims)} of {before_n} entries ({why}), "
+            f"freeing {human_bytes(freed)} of {human_bytes(before_bytes)}"
+        )
+        return 0
+    with Progress("evicting", len(victims)) as progress:
+        for entry in victims:
+            store.delete_files([entry])
+            progress.step()
+    print(
+        f"evicted {len(victims)} of {before_n} entries ({why}), freed {human_bytes(freed)}; "
+        f"{len(store.entries)} entries, {human_bytes(store.total_bytes)} left "
+        f"(budget {_budget(settings)})"
+    )
+    return 0
+
+
+# --- stats
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    url = (args.url or _own_url(settings)).rstrip("/")
+    request = urllib.request.Request(url + "/kvproxy/stats", headers={"Accept": "application/json"})
+    if settings.admin_token is not None:
+        request.add_header("Authorization", f"Bearer {settings.admin_token.get_secret_value()}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            return _fail(f"{url} needs its admin token (--admin-token or KVPROXY_ADMIN_TOKEN)")
+        return _fail(f"{url}/kvproxy/stats answered HTTP {exc.code}: is this a kvproxy?")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return _fail(f"no kvproxy answering at {url} ({reason}); is `kvproxy serve` running?")
+    try:
+        stats = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _fail(f"{url}/kvproxy/stats did not answer JSON: is this a kvproxy?")
+    if args.json:
+        print(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(render_stats(stats, url))
+    return 0
+
+
+def _own_url(settings: Settings) -> str:
+    host = settings.host
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"  # listening everywhere: loopback reaches it
+    elif host == "::":
+        host = "::1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
+
+
+def render_stats(s: dict[str, Any], url: str) -> str:
+    """A readable table of `/kvproxy/stats`; tolerant of missing fields (older proxies)."""
+    req = s.get("requests") or {}
+    hist = s.get("histograms") or {}
+    cached, prefilled = int(s.get("tokens_cached", 0)), int(s.get("tokens_prefilled", 0))
+    share = f" ({100 * cached / (cached + prefilled):.1f}%)" if cached + prefilled else ""
+
+    def ms(name: str, q: str = "p50") -> str:
+        value = (hist.get(name) or {}).get(q)
+        return "-" if value is None else f"{value * 1000:.0f} ms"
+
+    def on(flag: Any) -> str:
+        return "on" if flag else "OFF"
+
+    rows = [
+        ["proxy", f"{url}: caching {on(s.get('enabled'))}, disk {on(s.get('disk_enabled'))}"],
+        [
+            "requests",
+            "  ".join(f"{d} {req.get(d, 0):,}" for d in ("resident", "restored", "miss", "bypass")),
+        ],
+        ["tokens", f"from cache {cached:,}{share}, prefilled {prefilled:,}"],
+        [
+            "prefill time",
+            f"saved ≈ {s.get('prefill_seconds_saved', 0):.1f} s, "
+            f"spent {s.get('prefill_seconds', 0):.1f} s",
+        ],
+        [
+            "saves",
+            f"{s.get('saves', 0):,} ok, {s.get('save_failures', 0):,} failed, "
+            f"{human_bytes(int(s.get('saved_bytes', 0)))}, p50 {ms('save_seconds')}",
+        ],
+        [
+            "restores",
+            f"{s.get('restores', 0):,} ok, {s.get('restore_failures', 0):,} failed, "
+            f"{s.get('restored_tokens', 0):,} tokens, p50 {ms('restore_seconds')}, "
+            f"{s.get('ineffective_restores', 0):,} not reused by the server",
+        ],
+        [
+            "queue",
+            f"{s.get('queue_waiting', 0)} waiting, wait p50 {ms('queue_wait_seconds')}, "
+            f"p90 {ms('queue_wait_seconds', 'p90')}",
+        ],
+        [
+            "disk",
+            f"{s.get('entries', 0):,} entries, {human_bytes(int(s.get('disk_bytes', 0)))}, "
+            f"{s.get('evictions', 0):,} evicted",
+        ],
+        [
+            "misses",
+            f"{s.get('miss_explained', 0):,} explained (see the log), "
+            f"{s.get('slot_resets_seen', 0):,} slot resets seen",
+        ],
+    ]
+    lines = [f"{name:<13}{text}" for name, text in rows]
+    lines.append("slots")
+    for slot in s.get("slots") or []:
+        key = slot.get("key")
+        held = f"{key[:12]}  {slot.get('n_tokens', 0):,} tokens" if key else "empty"
+        state = "busy" if slot.get("busy") else "idle"
+        saved = "  saved" if key and slot.get("saved") else ("  unsaved" if key else "")
+        lines.append(f"  {slot.get('id')}  {state:<5} {held}{saved}")
+    return "\n".join(lines)
+
+
+# --- helpers
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    from .cli import settings_from_args
+
+    return settings_from_args(args)
+
+
+def _open(settings: Settings, quiet: bool = False) -> tuple[Store | None, int]:
+    store = Store(settings.cache_dir, settings.ttl, int(settings.max_disk))
+    try:
+        store.open_readonly()
+    except FileNotFoundError:
+        return None, _fail(f"no cache dir at {settings.cache_dir} (set --cache-dir)")
+    except OSError as exc:
+        return None, _fail(f"cannot read {settings.cache_dir}: {exc}")
+    if store.problems and not quiet:
+        print(
+            f"skipped {len(store.problems)} damaged entries (a starting proxy drops them): "
+            + "; ".join(f"{k[:12]}: {why}" for k, why in store.problems[:5]),
+            file=sys.stderr,
+        )
+    return store, 0
+
+
+def _duration(value: str | None, flag: str) -> float | None:
+    if value is None:
+        return None
+    seconds = parse_duration(value)
+    if not isinstance(seconds, float):
+        raise ValueError(f"{flag}: not a duration: {value!r} (try 90s, 15m, 12h, 3d)")
+    return seconds
+
+
+def _budget(settings: Settings) -> str:
+    return human_bytes(int(settings.max_disk)) if int(settings.max_disk) else "none"
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"kvproxy: {message}", file=sys.stderr)
+    return code
+
+
+def _table(header: list[str], rows: Iterable[list[str]], right: set[int]) -> None:
+    rows = list(rows)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        cells = [
+            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)
+        ]
+        print("  ".join(cells).rstrip())
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            whole = int(seconds // size)
+            rest = int((seconds - whole * size) // {"d": 3600, "h": 60, "m": 1}[unit])
+            small = {"d": "h", "h": "m", "m": "s"}[unit]
+            return f"{whole}{unit}{rest}{small}" if rest and whole < 10 else f"{whole}{unit}"
+    return f"{int(seconds)}s"
+
+
+class Progress:
+    """Progress of a long operation on stderr: a line every 10% (in place on a terminal)."""
+
+    def __init__(self, what: str, total: int, out: TextIO | None = None) -> None:
+        self.what, self.total, self.done = what, total, 0
+        self.out = out or sys.stderr
+        self.shown = total >= PROGRESS_MIN
+        self.tty = self.out.isatty()
+        self._next = 0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def step(self) -> None:
+        self.done += 1
+        if self.shown and (self.done >= self._next or self.done == self.total):
+            pct = 100 * self.done // self.total
+            end = "\r" if self.tty and self.done < self.total else "\n"
+            print(f"{self.what} {self.done}/{self.total} ({pct}%)", end=end, file=self.out)
+            self.out.flush()
+            self._next = self.done + max(1, self.total // 10)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.shown and self.done and self.done < self.total:
+            print(file=self.out)  # leave the terminal on a fresh line after an error

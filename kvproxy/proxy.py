@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import posixpath
+from typing import Any
 from urllib.parse import quote
 
 import orjson
@@ -13,7 +14,9 @@ from aiohttp import web
 from .cache import ConversationCache
 from .config import Settings
 from .errors import error_response
+from .metrics import CONTENT_TYPE, Metrics
 from .relay import relay
+from .requestlog import RequestLog
 from .upstream import Upstream
 
 log = logging.getLogger("kvproxy.proxy")
@@ -56,6 +59,12 @@ class Service:
         self.settings = settings
         self.upstream = Upstream(upstream_url, settings.api_key)
         self.cache = ConversationCache(settings, self.upstream)
+        self.metrics = Metrics(self.cache, CHAT_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS)
+        self.cache.listeners += [self.metrics, RequestLog()]
+
+    def stats(self) -> dict[str, Any]:
+        """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
+        return {**self.cache.snapshot_stats(), **self.metrics.snapshot()}
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -86,21 +95,32 @@ def host_refusal(request: web.Request, settings: Settings) -> str | None:
     )
 
 
+def admin_refusal(request: web.Request, settings: Settings) -> web.Response | None:
+    """kvproxy's own routes (/kvproxy/*, /metrics) need the admin token off loopback."""
+    if settings.loopback:
+        return None
+    token = settings.admin_token.get_secret_value() if settings.admin_token else None
+    given = request.headers.get("Authorization", "")
+    if token is None or not hmac.compare_digest(given, f"Bearer {token}"):
+        return error_response(
+            401,
+            "kvproxy admin routes need `Authorization: Bearer <--admin-token>`.",
+            "admin_token_required",
+        )
+    return None
+
+
 async def own_route(request: web.Request, service: Service, path: str) -> web.StreamResponse:
-    """kvproxy's own endpoints under /kvproxy/."""
-    settings = service.settings
-    if not settings.loopback:
-        token = settings.admin_token.get_secret_value() if settings.admin_token else None
-        given = request.headers.get("Authorization", "")
-        if token is None or not hmac.compare_digest(given, f"Bearer {token}"):
-            return error_response(
-                401,
-                "kvproxy admin routes need `Authorization: Bearer <--admin-token>`.",
-                "admin_token_required",
-            )
+    """kvproxy's own endpoints under /kvproxy/, and /metrics."""
+    refusal = admin_refusal(request, service.settings)
+    if refusal is not None:
+        return refusal
     if request.method == "GET" and path == "/kvproxy/stats":
-        return web.json_response(
-            service.cache.snapshot_stats(), dumps=lambda o: orjson.dumps(o).decode()
+        return web.json_response(service.stats(), dumps=lambda o: orjson.dumps(o).decode())
+    if request.method == "GET" and path == "/metrics":
+        # Shadows llama-server's own /metrics (scrape the server directly for those).
+        return web.Response(
+            body=service.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE}
         )
     return error_response(404, f"No kvproxy route {request.method} {path}.", "not_found")
 
@@ -111,7 +131,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if refusal is not None:
         return error_response(403, refusal, "host_not_allowed")
     path = canonical_path(request.path)
-    if path.startswith("/kvproxy/"):
+    if path.startswith("/kvproxy/") or (path == "/metrics" and request.method == "GET"):
         return await own_route(request, service, path)
     reason = blocked_reason(request.method, path)
     if reason is not None:
