@@ -22,5 +22,5 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check kvproxy tests
-	$(VENV)/bin/ruff format --check kvproxy tests
+	$(VENV)/bin/ruff check kvproxy tests examples
+	$(VENV)/bin/ruff format --check kvproxy tests examples

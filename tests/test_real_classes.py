@@ -162,3 +162,28 @@ async def test_turn2_after_restart(
     finally:
         for server in servers:
             server.stop()
+
+
+async def test_swa_without_swa_full_stops_restoring(cache_dir: Path) -> None:
+    """Gemma without --swa-full reuses nothing after a restore: after a few tries kvproxy
+    stops restoring and saving for it, and requests go through as they would without it."""
+    server = start_real_server(cache_dir, ctx_per_slot=2048, extra=("--cache-ram", "0"))
+    proxy = await start_proxy(server.url, cache_dir)
+    try:
+        first = {n: (await chat(proxy.url, first_messages(n)))[0] for n in range(1, 6)}
+        decisions, saves = [], []
+        for n in range(1, 6):  # each comes back from disk: the slots hold the last two
+            turn2 = trimmed_turn2(first_messages(n), first[n], n)
+            reply, headers = await chat(proxy.url, turn2)
+            decisions.append(headers["X-KVProxy-Cache"])
+            saves.append(proxy.cache.stats.saves)
+            if headers["X-KVProxy-Cache"] == "miss":
+                t = reply["timings"]
+                assert t["cache_n"] == 0  # what the direct server does for this prompt
+        assert decisions == ["restored"] * 3 + ["miss"] * 2
+        assert proxy.cache.stats.ineffective_restores == 3
+        assert proxy.cache.stats.restores == 3
+        assert saves[3] == saves[4] == saves[2]  # nothing saved once restores stopped
+    finally:
+        await proxy.stop()
+        server.stop()
