@@ -29,6 +29,7 @@ from .config import Settings
 from .errors import error_response
 from .events import Listener, MissExplanation, RequestEvent, SlotActionEvent
 from .explain import explain_miss
+from .modelinfo import ModelInfo, read_model_info
 from .relay import relay
 from .replies import ReplyCapture
 from .slots import Holding, QueueFull, Slot, SlotPool
@@ -91,6 +92,7 @@ class ConversationCache:
         self._ineffective_streak: dict[str, int] = {}
         self._restores_off: set[str] = set()
         self.listeners: list[Listener] = []
+        self.model_info: ModelInfo | None = None
 
     # --- life cycle
 
@@ -137,8 +139,18 @@ class ConversationCache:
             self.pool.resize(len(slots))
             self.pool.forget_all()
             self.model_identity = identity
+            self.model_info = await asyncio.to_thread(
+                read_model_info, str(props.get("model_path") or "")
+            )
         if not self.enabled:
-            log.info("llama-server has %d slots; model %s", len(slots), props.get("model_path"))
+            info = self.model_info
+            log.info(
+                "llama-server has %d slots; model %s (%s%s)",
+                len(slots),
+                props.get("model_path"),
+                info.model_class if info else "unknown",
+                ": restores need --swa-full" if info and info.has_swa else "",
+            )
         self.enabled = True
         self._last_props_check = time.monotonic()
 
@@ -742,6 +754,7 @@ class ConversationCache:
             **self.stats.__dict__,
             "enabled": self.enabled,
             "disk_enabled": self.disk_enabled,
+            "model_class": self.model_info.model_class if self.model_info else "unknown",
             "entries": len(self.store.entries),
             "disk_bytes": self.store.total_bytes,
             "queue_waiting": self.pool.waiting,

@@ -182,6 +182,7 @@ async def test_swa_without_swa_full_stops_restoring(cache_dir: Path) -> None:
                 assert t["cache_n"] == 0  # what the direct server does for this prompt
         assert decisions == ["restored"] * 3 + ["miss"] * 2
         assert proxy.cache.stats.ineffective_restores == 3
+        assert proxy.cache.snapshot_stats()["model_class"] == "swa"
         assert proxy.cache.stats.restores == 3
         assert saves[3] == saves[4] == saves[2]  # nothing saved once restores stopped
     finally:
