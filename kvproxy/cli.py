@@ -130,6 +130,12 @@ def setup_logging(level: str, json_lines: bool = False) -> None:
 
 
 async def serve(settings: Settings) -> int:
+    if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
+        raise SystemExit(
+            f"kvproxy: refusing to listen on {settings.host} with --upstream-api-key and no "
+            "--client-api-keys: anyone who can reach the port would use llama-server with "
+            "its key. Set --client-api-keys KEY[,KEY…] (env KVPROXY_CLIENT_API_KEYS)."
+        )
     server: ManagedServer | None = None
     if settings.model:
         binary = find_server_binary(settings.server_bin)

@@ -95,6 +95,11 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = Field(
         None, description="token for kvproxy's own /kvproxy/* routes when not bound to loopback"
     )
+    client_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="API keys clients must send (Authorization: Bearer), comma-separated; "
+        "required when not bound to loopback and --upstream-api-key is set",
+    )
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="extra Host header names accepted when bound to loopback (comma-separated)",
@@ -108,6 +113,13 @@ class Settings(BaseSettings):
     def _header_name(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"[A-Za-z0-9-]+", value):
             raise ValueError("must be a plain HTTP header name")
+        return value
+
+    @field_validator("client_api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
         return value
 
     @field_validator("allowed_hosts", mode="before")

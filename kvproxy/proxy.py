@@ -110,6 +110,23 @@ def admin_refusal(request: web.Request, settings: Settings) -> web.Response | No
     return None
 
 
+def client_refusal(request: web.Request, settings: Settings) -> web.Response | None:
+    """With --client-api-keys, every route but health checks needs one of them: kvproxy
+    sends llama-server its own key, so the server cannot tell clients apart any more."""
+    if not settings.client_api_keys or request.path in ("/health", "/v1/health"):
+        return None
+    given = request.headers.get("Authorization", "")
+    ok = False
+    for key in settings.client_api_keys:
+        # Every key is compared, so the time taken does not tell which one nearly matched.
+        ok |= hmac.compare_digest(given.encode(), f"Bearer {key.get_secret_value()}".encode())
+    if ok:
+        return None
+    return error_response(
+        401, "Missing or wrong API key (Authorization: Bearer …).", "invalid_api_key"
+    )
+
+
 async def own_route(request: web.Request, service: Service, path: str) -> web.StreamResponse:
     """kvproxy's own endpoints under /kvproxy/, and /metrics."""
     refusal = admin_refusal(request, service.settings)
@@ -131,6 +148,10 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if refusal is not None:
         return error_response(403, refusal, "host_not_allowed")
     path = canonical_path(request.path)
+    if not (path.startswith("/kvproxy/") or path == "/metrics"):
+        refused = client_refusal(request, service.settings)
+        if refused is not None:
+            return refused
     if path.startswith("/kvproxy/") or (path == "/metrics" and request.method == "GET"):
         return await own_route(request, service, path)
     reason = blocked_reason(request.method, path)

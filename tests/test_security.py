@@ -122,3 +122,31 @@ def test_bad_cache_dir_permissions_are_fixed(tmp_path: Path) -> None:
     root.mkdir(mode=0o755)
     Store(root, 0, 0).open()
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+
+
+async def test_client_api_keys_are_required_when_set(make: Maker) -> None:
+    fake, proxy = await make(client_api_keys="k1, k2")
+    status, body = await get(proxy.url + "/v1/models")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert (await get(proxy.url + "/v1/models", {"Authorization": "Bearer k3"}))[0] == 401
+    for key in ("k1", "k2"):
+        assert (await get(proxy.url + "/v1/models", {"Authorization": f"Bearer {key}"}))[0] == 200
+    assert (await get(proxy.url + "/health"))[0] == 200  # health checks need no key
+    # Only the two requests with a right key reached the server.
+    assert len([r for r in fake.requests if r[1] == "/v1/models"]) == 2
+
+
+def test_exposing_the_server_key_without_client_keys_is_refused() -> None:
+    from kvproxy.cli import main
+
+    args = [
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--upstream-api-key",
+        "k",
+    ]
+    with pytest.raises(SystemExit, match="--client-api-keys"):
+        main(args)
