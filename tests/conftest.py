@@ -167,6 +167,15 @@ def real_server_dir() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture
+def cache_dir() -> Iterator[Path]:
+    """A fresh private (0700) cache dir."""
+    with tempfile.TemporaryDirectory(prefix="kvproxy-cache-") as tmp:
+        cache = Path(tmp) / "cache"
+        cache.mkdir(mode=0o700)
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Random-weight dense, recurrent and hybrid GGUF files (see ggufmodels.py)."""

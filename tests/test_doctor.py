@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,23 +47,13 @@ def test_a_good_setup_passes(real_server: RealServer, capsys: pytest.CaptureFixt
     assert not list(real_server.cache_dir.glob("*.doctor.tmp"))  # the probes cleaned up
 
 
-@pytest.fixture
-def private_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvproxy-doctor-") as tmp:
-        cache = Path(tmp) / "cache"
-        cache.mkdir(mode=0o700)
-        yield cache
-
-
 @pytest.mark.real
 def test_swa_without_swa_full_fails_with_the_fix(
-    private_dir: Path, capsys: pytest.CaptureFixture[str]
+    cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server = start_real_server(private_dir, extra=("--cache-ram", "0"))
+    server = start_real_server(cache_dir, extra=("--cache-ram", "0"))
     try:
-        code, checks = doctor_json(
-            capsys, "--upstream", server.url, "--cache-dir", str(private_dir)
-        )
+        code, checks = doctor_json(capsys, "--upstream", server.url, "--cache-dir", str(cache_dir))
     finally:
         server.stop()
     assert code == 1
@@ -76,47 +64,45 @@ def test_swa_without_swa_full_fails_with_the_fix(
 
 @pytest.mark.real
 def test_a_save_path_elsewhere_fails(
-    real_server: RealServer, private_dir: Path, capsys: pytest.CaptureFixture[str]
+    real_server: RealServer, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, checks = doctor_json(
-        capsys, "--upstream", real_server.url, "--cache-dir", str(private_dir)
-    )
+    code, checks = doctor_json(capsys, "--upstream", real_server.url, "--cache-dir", str(cache_dir))
     assert code == 1
     check = checks["slot save path"]
-    assert check["status"] == "fail" and f"--slot-save-path {private_dir}" in check["fix"]
+    assert check["status"] == "fail" and f"--slot-save-path {cache_dir}" in check["fix"]
 
 
 # --- faults the fake server shows
 
 
-async def test_no_server(private_dir: Path) -> None:
+async def test_no_server(cache_dir: Path) -> None:
     checks = by_name(
-        await diagnose(Settings(upstream=f"http://127.0.0.1:{free_port()}", cache_dir=private_dir))
+        await diagnose(Settings(upstream=f"http://127.0.0.1:{free_port()}", cache_dir=cache_dir))
     )
     assert checks["server"].status == "fail" and "--upstream" in checks["server"].fix
     assert list(checks) == ["server"]
 
 
-async def test_no_slot_save_path(private_dir: Path) -> None:
+async def test_no_slot_save_path(cache_dir: Path) -> None:
     fake = FakeLlamaServer(slot_save_path=None)
     await fake.start()
     try:
-        checks = await run_doctor(fake, private_dir)
+        checks = await run_doctor(fake, cache_dir)
     finally:
         await fake.stop()
     check = checks["slot save path"]
     assert (
         check.status == "fail"
-        and check.fix == f"start llama-server with --slot-save-path {private_dir}"
+        and check.fix == f"start llama-server with --slot-save-path {cache_dir}"
     )
 
 
-async def test_api_key_needed_then_accepted(private_dir: Path) -> None:
-    fake = FakeLlamaServer(slot_save_path=private_dir, api_key="sekrit")
+async def test_api_key_needed_then_accepted(cache_dir: Path) -> None:
+    fake = FakeLlamaServer(slot_save_path=cache_dir, api_key="sekrit")
     await fake.start()
     try:
-        without = await run_doctor(fake, private_dir)
-        with_key = await run_doctor(fake, private_dir, upstream_api_key="sekrit")
+        without = await run_doctor(fake, cache_dir)
+        with_key = await run_doctor(fake, cache_dir, upstream_api_key="sekrit")
     finally:
         await fake.stop()
     assert without["API key"].status == "fail" and "--upstream-api-key" in without["API key"].fix
@@ -124,26 +110,26 @@ async def test_api_key_needed_then_accepted(private_dir: Path) -> None:
     assert all(c.status == "ok" for c in with_key.values() if c.name != "model class")
 
 
-async def test_idle_slot_wipe_and_useless_restores_fail(private_dir: Path) -> None:
-    fake = FakeLlamaServer(slot_save_path=private_dir, wipe_idle_slots=True, reuse="none")
+async def test_idle_slot_wipe_and_useless_restores_fail(cache_dir: Path) -> None:
+    fake = FakeLlamaServer(slot_save_path=cache_dir, wipe_idle_slots=True, reuse="none")
     await fake.start()
     try:
-        checks = await run_doctor(fake, private_dir)
+        checks = await run_doctor(fake, cache_dir)
     finally:
         await fake.stop()
     assert checks["idle slots kept"].status == "fail"
     assert "--no-kv-unified" in checks["idle slots kept"].fix
     assert checks["restore reuse"].status == "fail"
     assert checks["model class"].status == "warn"  # the fake's model file is not on disk
-    assert not list(private_dir.iterdir())  # probes leave nothing behind
+    assert not list(cache_dir.iterdir())  # probes leave nothing behind
 
 
-async def test_one_slot_and_an_open_cache_dir_warn(private_dir: Path) -> None:
-    private_dir.chmod(0o755)
-    fake = FakeLlamaServer(slot_save_path=private_dir, n_slots=1)
+async def test_one_slot_and_an_open_cache_dir_warn(cache_dir: Path) -> None:
+    cache_dir.chmod(0o755)
+    fake = FakeLlamaServer(slot_save_path=cache_dir, n_slots=1)
     await fake.start()
     try:
-        checks = await run_doctor(fake, private_dir)
+        checks = await run_doctor(fake, cache_dir)
     finally:
         await fake.stop()
     assert checks["slots"].status == "warn" and "-np 2" in checks["slots"].fix

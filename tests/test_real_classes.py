@@ -11,7 +11,6 @@ grammar so that the generated text ends in whitespace the client then trims.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,14 +93,6 @@ def print_table() -> Iterator[None]:
             f"| {r['class']} | {r['case']} | {r['decision']} | {r['prompt']} | "
             f"{r['cache_n']} | {r['prompt_n']} | {r['new']} |"
         )
-
-
-@pytest.fixture
-def cache_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvproxy-classes-") as tmp:
-        cache = Path(tmp) / "cache"
-        cache.mkdir(mode=0o700)
-        yield cache
 
 
 def record(kind: str, case: str, reply: dict, headers: dict[str, str], new: int) -> None:
