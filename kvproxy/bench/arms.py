@@ -261,7 +261,9 @@ def _tail(path: Path, n: int = 30) -> str:
         return ""
 
 
-def make_arm(name: str, env: BenchEnv, slots: int, ctx_per_slot: int) -> Arm:
+def make_arm(
+    name: str, env: BenchEnv, slots: int, ctx_per_slot: int, proxy_args: list[str] | None = None
+) -> Arm:
     if name == KVPROXY:
-        return ProxyArm(env, slots, ctx_per_slot)
+        return ProxyArm(env, slots, ctx_per_slot, proxy_args)
     return DirectArm(env, slots, ctx_per_slot, ram_cache=name == DIRECT_RAM_CACHE)

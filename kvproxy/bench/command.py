@@ -84,17 +84,18 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _setup_logging()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname).1s %(name)s: %(message)s")
+    # The direct arms' llama-server lines would drown the tables (kvproxy's own arm logs to a
+    # file in the work dir). Restored afterwards: `run` may be called in-process (tests).
+    server_log = logging.getLogger("llama-server")
+    propagate = server_log.propagate
+    server_log.propagate = False
     try:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:
         return 130
-
-
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname).1s %(name)s: %(message)s")
-    # The direct arms' llama-server lines would drown the tables; they are not needed.
-    logging.getLogger("llama-server").propagate = False
+    finally:
+        server_log.propagate = propagate
 
 
 def _sizes(args: argparse.Namespace) -> tuple[int, ...]:
@@ -192,6 +193,7 @@ async def _run(args: argparse.Namespace) -> int:
 def write_outputs(out: Path, head: dict[str, Any], results: dict[str, Any]) -> None:
     from .document import document
 
+    out.mkdir(parents=True, exist_ok=True)
     images: dict[str, str] = {}
     if "restore" in results:
         restore.plot(results["restore"], out / "img" / "restore.png")

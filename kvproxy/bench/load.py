@@ -34,6 +34,7 @@ class LoadOptions:
     ctx_per_slot: int = 2048
     stall_after: float = 180.0
     arms: tuple[str, ...] = (KVPROXY,)
+    proxy_args: tuple[str, ...] = ()  # extra `kvproxy serve` flags for the kvproxy arm
 
 
 @dataclass
@@ -98,7 +99,7 @@ class LoadResult:
 async def run_load(env: BenchEnv, opts: LoadOptions) -> LoadResult:
     result = LoadResult(options=asdict(opts))
     for arm_name in opts.arms:
-        arm = make_arm(arm_name, env, opts.slots, opts.ctx_per_slot)
+        arm = make_arm(arm_name, env, opts.slots, opts.ctx_per_slot, list(opts.proxy_args))
         progress(
             f"load: {opts.clients} clients × {opts.conversations} conversations × "
             f"{opts.turns} turns through {opts.slots} slots: {arm_name}"

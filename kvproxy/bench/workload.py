@@ -43,6 +43,8 @@ class WorkloadOptions:
     restart: bool = False
     arms: tuple[str, ...] = ALL_ARMS
     seed: int = 1
+    only_cases: tuple[str, ...] | None = None  # a subset of the cases (tests)
+    proxy_args: tuple[str, ...] = ()  # extra `kvproxy serve` flags for the kvproxy arm
 
 
 @dataclass
@@ -96,6 +98,8 @@ def case_label(case: str, opts: WorkloadOptions) -> str:
 
 
 def cases(opts: WorkloadOptions) -> list[str]:
+    if opts.only_cases is not None:
+        return list(opts.only_cases)
     return [SHUFFLED, RESIDENT] + ([RESTART] if opts.restart else [])
 
 
@@ -105,7 +109,7 @@ async def run_workload(env: BenchEnv, opts: WorkloadOptions) -> WorkloadResult:
     try:
         for case in cases(opts):
             for arm_name in opts.arms:
-                arm = make_arm(arm_name, env, opts.slots, opts.ctx_per_slot)
+                arm = make_arm(arm_name, env, opts.slots, opts.ctx_per_slot, list(opts.proxy_args))
                 progress(f"workload: {case_label(case, opts)}: {arm_name}")
                 async with arm:
                     await _run_case(client, arm, case, opts, result)
