@@ -97,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return code
     now = time.time()
     try:
-        min_size = int(TypeAdapter(ByteSize).validate_python(args.min_size or 0))
+        min_size = _size(args.min_size, "--min-size")
         older = _duration(args.older_than, "--older-than")
         unused = _duration(args.unused_for, "--unused-for")
     except ValueError as exc:
@@ -134,7 +134,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     total = sum(e.bytes + e.msgs_bytes for e in entries)
     more = f" (showing {len(shown)})" if len(shown) < len(entries) else ""
     print(
-        f"{len(entries)} entries{more}, {human_bytes(total)} in {settings.cache_dir} "
+        f"{entries_(len(entries))}{more}, {human_bytes(total)} in {settings.cache_dir} "
         f"(all: {len(store.entries)}, {human_bytes(store.total_bytes)}; "
         f"budget {_budget(settings)}, ttl {human_age(settings.ttl) if settings.ttl else 'none'})"
     )
@@ -195,7 +195,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         store.remove_damaged(key)
     freed = sum(e.bytes + e.msgs_bytes for e in victims)
     extra = f" and {len(damaged)} damaged" if damaged else ""
-    print(f"removed {len(victims)} entries{extra}, {human_bytes(freed)} freed")
+    print(f"removed {entries_(len(victims))}{extra}, {human_bytes(freed)} freed")
     return 0
 
 
@@ -249,7 +249,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             progress.step()
     print(
         f"evicted {len(victims)} of {before_n} entries ({why}), freed {human_bytes(freed)}; "
-        f"{len(store.entries)} entries, {human_bytes(store.total_bytes)} left "
+        f"{entries_(len(store.entries))}, {human_bytes(store.total_bytes)} left "
         f"(budget {_budget(settings)})"
     )
     return 0
@@ -340,7 +340,7 @@ def render_stats(s: dict[str, Any], url: str) -> str:
         ],
         [
             "disk",
-            f"{s.get('entries', 0):,} entries, {human_bytes(int(s.get('disk_bytes', 0)))}, "
+            f"{entries_(s.get('entries', 0))}, {human_bytes(int(s.get('disk_bytes', 0)))}, "
             f"{s.get('evictions', 0):,} evicted",
         ],
         [
@@ -379,7 +379,8 @@ def _open(settings: Settings, quiet: bool = False) -> tuple[Store | None, int]:
         return None, _fail(f"cannot read {settings.cache_dir}: {exc}")
     if store.problems and not quiet:
         print(
-            f"skipped {len(store.problems)} damaged entries (a starting proxy drops them): "
+            f"skipped {len(store.problems)} damaged "
+            f"{entries_(len(store.problems), counted=False)} (a starting proxy drops them): "
             + "; ".join(f"{k[:12]}: {why}" for k, why in store.problems[:5]),
             file=sys.stderr,
         )
@@ -393,6 +394,15 @@ def _duration(value: str | None, flag: str) -> float | None:
     if not isinstance(seconds, float):
         raise ValueError(f"{flag}: not a duration: {value!r} (try 90s, 15m, 12h, 3d)")
     return seconds
+
+
+def _size(value: str | None, flag: str) -> int:
+    if value is None:
+        return 0
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(value))
+    except ValueError:
+        raise ValueError(f"{flag}: not a size: {value!r} (try 500MB, 2GiB)") from None
 
 
 def _budget(settings: Settings) -> str:
@@ -412,6 +422,11 @@ def _table(header: list[str], rows: Iterable[list[str]], right: set[int]) -> Non
             c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)
         ]
         print("  ".join(cells).rstrip())
+
+
+def entries_(n: int, counted: bool = True) -> str:
+    word = "entry" if n == 1 else "entries"
+    return f"{n:,} {word}" if counted else word
 
 
 def human_bytes(n: int) -> str:

@@ -85,6 +85,8 @@ async def test_ls_lists_what_the_proxy_saved(
     assert orjson.loads(out) == []
     code, _, err = run(capsys, "ls", "--older-than", "soon", "--cache-dir", str(root))
     assert code == 1 and "not a duration" in err
+    code, _, err = run(capsys, "ls", "--min-size", "big", "--cache-dir", str(root))
+    assert code == 1 and "--min-size: not a size: 'big'" in err
 
 
 async def test_ls_shows_hits_after_a_restore(
@@ -160,7 +162,7 @@ async def test_rm_all_while_the_proxy_runs_gives_misses(
     root = proxy.cache.store.root
     [entry] = proxy.cache.store.entries.values()  # conversation 1, saved to make room
     code, out, _ = await asyncio.to_thread(run, capsys, "rm", "--all", "--cache-dir", str(root))
-    assert code == 0 and "removed 1 entries" in out
+    assert code == 0 and "removed 1 entry," in out
     assert not [p for p in root.iterdir() if p.suffix in (".idx", ".kv", ".msgs")]
     # The proxy still has the entry in memory: it finds the state file gone, sends no
     # restore, answers uncached, and forgets the entry.
@@ -244,3 +246,19 @@ def test_human_units() -> None:
     assert human_bytes(512) == "512 B" and human_bytes(7 * 1024**2 + 100) == "7.0 MiB"
     assert human_age(45) == "45s" and human_age(3 * 3600 + 15 * 60) == "3h15m"
     assert human_age(12 * 86400) == "12d"
+
+
+def test_damaged_entries_are_shown_kept_by_ls_and_removed_by_rm_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    store.open()
+    good, bad = commit(store, "ab" * 16), commit(store, "cd" * 16)
+    (tmp_path / f"{bad.key}.kv").write_bytes(b"short")
+    code, out, err = run(capsys, "ls", "--cache-dir", str(tmp_path))
+    assert code == 0 and good.key[:12] in out and bad.key[:12] not in out
+    assert f"skipped 1 damaged entry (a starting proxy drops them): {bad.key[:12]}: size" in err
+    assert (tmp_path / f"{bad.key}.idx").exists()
+    code, out, _ = run(capsys, "rm", "--all", "--cache-dir", str(tmp_path))
+    assert code == 0 and "removed 1 entry and 1 damaged" in out
+    assert list(tmp_path.iterdir()) == []
