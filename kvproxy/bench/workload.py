@@ -20,9 +20,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .arms import ALL_ARMS, DIRECT_NO_CACHE, KVPROXY, Arm, BenchEnv, ProxyArm, make_arm
+from .arms import (
+    ALL_ARMS,
+    DIRECT_NO_CACHE,
+    DIRECT_RAM_CACHE,
+    KVPROXY,
+    Arm,
+    BenchEnv,
+    ProxyArm,
+    make_arm,
+)
 from .client import Client, Reply, common_prefix
 from .conversations import facts_for, first_turn, next_turn
 from .report import pct, progress, table
@@ -266,3 +276,43 @@ def turn2_pct(result: WorkloadResult, case: str, arm: str = KVPROXY) -> float | 
         if s.case == case and s.arm == arm and s.turn == 2:
             return s.pct_of_ideal
     return None
+
+
+def plot(result: WorkloadResult, path: Path) -> None:
+    """Turn-2 (and later) share of the ideal served from cache, per case and arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    opts = WorkloadOptions(**result.options)
+    later: dict[tuple[str, str], list[int]] = {}
+    for s in summarize(result):
+        if s.turn > 1:
+            got = later.setdefault((s.case, s.arm), [0, 0])
+            got[0] += s.cached
+            got[1] += s.reusable
+    case_names = cases(opts)
+    labels = {SHUFFLED: "evictions", RESIDENT: "all resident", RESTART: "after restart"}
+    colors = {DIRECT_NO_CACHE: "tab:red", DIRECT_RAM_CACHE: "tab:orange", KVPROXY: "tab:blue"}
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    width = 0.8 / max(1, len(opts.arms))
+    for i, arm in enumerate(opts.arms):
+        values = []
+        for case in case_names:
+            cached, reusable = later.get((case, arm), (0, 0))
+            values.append(100.0 * cached / reusable if reusable else 0.0)
+        xs = [c + (i - (len(opts.arms) - 1) / 2) * width for c in range(len(case_names))]
+        bars = ax.bar(xs, values, width, label=arm, color=colors.get(arm))
+        ax.bar_label(bars, fmt="%.0f%%", fontsize=7)
+    ax.set_xticks(range(len(case_names)), [labels.get(c, c) for c in case_names])
+    ax.set_ylabel("later turns: % of ideal served from cache")
+    ax.set_ylim(0, 115)
+    ax.set_title(
+        f"{opts.conversations} conversations × {opts.turns} turns through {opts.slots} slots"
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
