@@ -30,7 +30,7 @@ from typing import Any
 
 from .arms import BenchEnv, DirectArm, ProxyArm
 from .client import Client, Reply
-from .conversations import facts_for, first_turn, next_turn
+from .conversations import first_turn, next_turn
 from .report import progress, table
 
 FILLER = [{"role": "user", "content": "Hi"}]
@@ -99,24 +99,33 @@ async def run_restore(env: BenchEnv, opts: RestoreOptions) -> RestoreResult:
     result = RestoreResult(options={**asdict(opts), "ctx_per_slot": opts.ctx_per_slot})
     points = {size: Point(size) for size in opts.sizes}
     result.points = list(points.values())
+    convs: dict[int, list[dict[str, Any]]] = {}
     client = Client()
     try:
         progress("restore: direct server (--cache-ram 0), one slot")
         async with DirectArm(env, 1, opts.ctx_per_slot, ram_cache=False) as direct:
             for size, point in points.items():
-                await _direct(client, direct.url, size, point, opts)
+                convs[size] = await _conversation(client, direct.url, size)
+                await _direct(client, direct.url, convs[size], point, opts)
         progress("restore: kvproxy, one slot")
         proxy = ProxyArm(env, 1, opts.ctx_per_slot, ["--min-tokens", str(opts.min_tokens)])
         async with proxy:
             for size, point in points.items():
-                await _restored(client, proxy, size, point, opts)
+                await _restored(client, proxy, convs[size], point, opts)
     finally:
         await client.close()
     return result
 
 
-def _conversation(size: int) -> list[dict[str, Any]]:
-    return first_turn(10_000 + size, facts_for(size))
+async def _conversation(client: Client, url: str, size: int) -> list[dict[str, Any]]:
+    """A first turn of about `size` tokens: the tokens a fact costs depend on the tokenizer,
+    so they are measured on the server (two probes) instead of guessed."""
+    conv = 40 + size.bit_length()  # one per size; two digits, like the workload's
+    n20 = len(await client.prompt_tokens(url, first_turn(conv, 20)))
+    n40 = len(await client.prompt_tokens(url, first_turn(conv, 40)))
+    per_fact = (n40 - n20) / 20
+    fixed = n20 - 20 * per_fact
+    return first_turn(conv, max(1, round((size - fixed) / per_fact)))
 
 
 def _check(point: Point, what: str, reply: Reply) -> None:
@@ -124,8 +133,9 @@ def _check(point: Point, what: str, reply: Reply) -> None:
         point.errors.append(f"{what}: {reply.error}")
 
 
-async def _direct(client: Client, url: str, size: int, point: Point, opts: RestoreOptions) -> None:
-    messages = _conversation(size)
+async def _direct(
+    client: Client, url: str, messages: list[dict[str, Any]], point: Point, opts: RestoreOptions
+) -> None:
     first = await client.chat(url, messages, opts.turn1_tokens)
     _check(point, "turn 1", first)
     # Each repeat asks a different question, so each prefills a new turn on a resident slot.
@@ -148,9 +158,12 @@ async def _direct(client: Client, url: str, size: int, point: Point, opts: Resto
 
 
 async def _restored(
-    client: Client, proxy: ProxyArm, size: int, point: Point, opts: RestoreOptions
+    client: Client,
+    proxy: ProxyArm,
+    messages: list[dict[str, Any]],
+    point: Point,
+    opts: RestoreOptions,
 ) -> None:
-    messages = _conversation(size)
     first = await client.chat(proxy.url, messages, opts.turn1_tokens)
     _check(point, "turn 1 via kvproxy", first)
     before = await asyncio.to_thread(_state_files, proxy.cache_dir)
