@@ -242,8 +242,11 @@ def _read(path: Path) -> float:
 
 
 def markdown(result: RestoreResult) -> str:
-    rows = []
+    rows: list[list[object]] = []
     for p in result.points:
+        if not (p.tokens and p.restored_s):
+            rows.append([f"~{p.target} (failed)", *([None] * 11)])
+            continue
         rows.append(
             [
                 p.tokens,
