@@ -154,11 +154,17 @@ class ConversationCache:
         self.enabled = True
         self._last_props_check = time.monotonic()
 
+    async def _notice_removals(self) -> None:
+        gone = await asyncio.to_thread(self.store.forget_removed)
+        if gone:
+            log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
+
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             try:
                 if time.monotonic() - self._last_props_check > PROPS_CHECK_INTERVAL:
+                    await self._notice_removals()
                     await self._discover()
                 await self._evict()
                 await self._idle_saves()

@@ -398,6 +398,22 @@ class Store:
         self._forget(key)
         self._delete_files(key)
 
+    def forget_removed(self) -> list[str]:
+        """Forget entries whose commit marker someone else deleted (`kvproxy rm`, `gc`), so
+        the budget and gauges stay true. Runs in a thread: it reads the directory."""
+        try:
+            with os.scandir(self.root) as it:
+                present = {de.name[:-4] for de in it if de.name.endswith(".idx")}
+        except OSError:
+            return []
+        gone = []
+        for key in list(self.entries):
+            # Checked again one by one: a commit may have landed since the listing.
+            if key not in present and key not in self._pinned and not self._idx_path(key).exists():
+                self._forget(key)
+                gone.append(key)
+        return gone
+
     def delete_files(self, entries: list[Entry]) -> None:
         for entry in entries:
             self._delete_files(entry.key)

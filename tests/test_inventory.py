@@ -262,3 +262,19 @@ def test_damaged_entries_are_shown_kept_by_ls_and_removed_by_rm_all(
     code, out, _ = run(capsys, "rm", "--all", "--cache-dir", str(tmp_path))
     assert code == 0 and "removed 1 entry and 1 damaged" in out
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_running_proxy_notices_removals(
+    make: Maker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake, proxy = await make()
+    for c in (1, 2, 3):
+        await chat(proxy, conv(c))
+    await settle(proxy)
+    root = proxy.cache.store.root
+    assert proxy.cache.snapshot_stats()["entries"] == 1
+    code, _, _ = await asyncio.to_thread(run, capsys, "rm", "--all", "--cache-dir", str(root))
+    assert code == 0
+    await proxy.cache._notice_removals()  # what housekeeping does every 15 s
+    stats = proxy.cache.snapshot_stats()
+    assert stats["entries"] == 0 and stats["disk_bytes"] == 0
