@@ -23,7 +23,12 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[BenchEnv]:
-    yield await asyncio.to_thread(BenchEnv.create, tmp_path / "work")
+    bench_env = await asyncio.to_thread(BenchEnv.create, tmp_path / "work")
+    # These tests time nothing: skip llama-server's warm-up decode to start it sooner, and run
+    # it on one thread, which shares a busy machine far better than threads that spin-wait.
+    bench_env.server_args.append("--no-warmup")
+    bench_env.threads = 1
+    yield bench_env
 
 
 def turn2(result: workload.WorkloadResult, case: str, arm: str) -> workload.TurnSummary:
