@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -74,15 +75,11 @@ class BenchEnv:
             flags.append("--swa-full")
         return flags
 
+    _dirs: itertools.count[int] = field(default_factory=itertools.count)
+
     def new_dir(self, name: str) -> Path:
-        base = self.workdir / name
-        path = base
-        n = 1
-        while path.exists():
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-        path.mkdir(mode=0o700, parents=True)
-        return path
+        """A fresh path in the work dir (created by whoever uses it, off the event loop)."""
+        return self.workdir / f"{next(self._dirs):02d}-{name}"
 
 
 class Arm:
@@ -140,6 +137,7 @@ class DirectArm(Arm):
         )
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.cache_dir.mkdir, 0o700, True, True)
         port = free_port()
         self.server = ManagedServer(self.command(port), port)
         await self.server.start(self.env.start_timeout)
@@ -199,6 +197,7 @@ class ProxyArm(Arm):
         ]
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.cache_dir.mkdir, 0o700, True, True)
         port = free_port()
         self._log = await asyncio.to_thread(open, self.log_path, "ab")
         self.process = await asyncio.create_subprocess_exec(

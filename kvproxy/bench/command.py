@@ -117,8 +117,8 @@ def _arms(text: str) -> tuple[str, ...]:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvproxy-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = args.workdir or Path(await asyncio.to_thread(tempfile.mkdtemp, "", "kvproxy-bench-"))
+    await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     env = await asyncio.to_thread(
         BenchEnv.create, workdir, args.model, args.server_bin, args.threads, args.server_args
     )

@@ -166,6 +166,7 @@ async def run_overhead(env: BenchEnv, opts: OverheadOptions) -> OverheadResult:
 
 async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResult:
     workdir = env.new_dir(f"overhead-{mode.replace(' ', '-')}")
+    await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     fake_port, proxy_port = free_port(), free_port()
     fake = _Process(
         [
