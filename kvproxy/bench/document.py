@@ -77,7 +77,8 @@ run as their own process. The client sends every request itself, one at a time, 
 direct and proxied, so its own cost and the machine's drift fall on both paths: **added** =
 proxied − direct at the same percentile. Two modes: **cache on** (the fake answers `/slots`:
 every chat request is keyed, pinned to a slot, and the slot is checked with `GET /slots`
-before and after) and **pass-through** (`/slots` answers 501 as on a server without slots).
+before and after: two extra round trips to the server) and **pass-through** (`/slots`
+answers 501 as on a server without slots).
 
 - small requests: a two-message non-streamed chat request, 8-token reply;
 - SSE: one streamed reply of 20,000 events, one write per event (as llama-server sends one
@@ -95,7 +96,9 @@ is saved) through 4 slots, 3 turns each: 96 requests. A conversation's next turn
 soon as its previous reply is back, by whichever client is free, so slots change hands all the
 time (evictions, saves, restores under contention). **wait** = client latency − the server's
 own time for the request (`prompt_ms + predicted_ms`): queueing for a slot, saves, restores,
-relaying. A **stall** would be 180 s without any reply.
+relaying. With 16 clients on 4 slots, up to 12 requests wait for a slot at any time, so wait
+is mostly queueing by design; what matters here is that nothing fails and nothing stalls. A
+**stall** would be 180 s without any reply.
 """
 
 
