@@ -45,6 +45,13 @@ PROPS_CHECK_INTERVAL = 15.0
 BUSY_WAIT_LIMIT = 120.0
 # Restores the server did not reuse, in a row, before kvproxy stops restoring for a namespace.
 INEFFECTIVE_LIMIT = 3
+# How long what GET /slots showed after our own last use is trusted for a "resident" claim
+# while no other slot got work (see SlotPool.still_as_seen). A wrong claim costs one slower
+# request, never a wrong answer (the server compares tokens); checking costs a round trip on
+# every request. Slot actions always check first.
+SNAPSHOT_TRUST = 1.0
+# While caching is off (no GET /slots), how often a chat request may look again.
+REDISCOVER_INTERVAL = 1.0
 
 
 @dataclass
@@ -88,6 +95,7 @@ class ConversationCache:
         self._housekeeper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._last_props_check = 0.0
+        self._last_discover_try = 0.0
         self._disk_error_logged = False
         self._ineffective_streak: dict[str, int] = {}
         self._restores_off: set[str] = set()
@@ -123,6 +131,7 @@ class ConversationCache:
                             self.pool.release(got)
 
     async def _discover(self) -> None:
+        self._last_discover_try = time.monotonic()
         props = await self.upstream.get_json("/props")
         identity = await asyncio.to_thread(_model_identity, props)
         try:
@@ -219,7 +228,7 @@ class ConversationCache:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_json")
-        if not self.enabled:
+        if not self.enabled and time.monotonic() - self._last_discover_try > REDISCOVER_INTERVAL:
             with contextlib.suppress(UpstreamError):
                 await self._discover()
         if not self.enabled or not isinstance(payload, dict):
@@ -401,7 +410,9 @@ class ConversationCache:
     # --- getting the conversation into its slot
 
     async def _prepare(self, slot: Slot, plan: Plan) -> tuple[str, dict[str, str]]:
-        await self._verify(slot)
+        verified = slot.holding is None or self.pool.still_as_seen(slot, SNAPSHOT_TRUST)
+        if not verified:
+            await self._verify(slot)
         resident = slot.shared_depth(plan.keys, plan.namespace)
         found = None
         if self.disk_enabled:
@@ -409,6 +420,7 @@ class ConversationCache:
             found = self.store.lookup(plan.keys, plan.namespace)
         if found is not None and found[1] > resident and plan.namespace not in self._restores_off:
             entry, _depth = found
+            await self._verify(slot)  # a slot action follows: the slot must be idle
             if self._worth_saving(slot, plan.keys):
                 await self._save(slot)
             restored = await self._restore(slot, entry)
@@ -423,7 +435,9 @@ class ConversationCache:
         if resident > 0:
             return "resident", {"X-KVProxy-Cache": "resident"}
         if self._worth_saving(slot, plan.keys):
-            await self._save(slot)
+            await self._verify(slot)
+            if self._worth_saving(slot, plan.keys):
+                await self._save(slot)
         return "miss", {"X-KVProxy-Cache": "miss"}
 
     def _judge_restore(self, namespace: str, n_restored: int, reply: Any) -> None:
@@ -499,6 +513,7 @@ class ConversationCache:
             self.stats.slot_resets_seen += 1
             slot.forget()
         slot.snapshot = snap
+        slot.seen_at = time.monotonic()
 
     async def _slot_info(self, slot_id: int) -> dict[str, Any]:
         slots = await self.upstream.get_json("/slots")
@@ -510,6 +525,7 @@ class ConversationCache:
     async def _snapshot(self, slot: Slot) -> None:
         info = await self._slot_info(slot.id)
         slot.snapshot = (info.get("id_task"), info.get("n_prompt_tokens"))
+        slot.seen_at = time.monotonic()
         if slot.holding is not None and isinstance(info.get("n_prompt_tokens"), int):
             slot.holding.n_tokens = info["n_prompt_tokens"]
 
@@ -591,6 +607,7 @@ class ConversationCache:
             return
         if not tokens:
             return
+        slot.started_at = time.monotonic()
         try:
             res = await self.upstream.post_json(
                 "/completion",

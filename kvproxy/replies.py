@@ -44,53 +44,48 @@ class ReplyCapture:
         self._calls: dict[int, dict[str, Any]] = {}
 
     def feed(self, chunk: bytes) -> None:
+        # Only appends: the client's bytes must not wait for parsing. The reply is made sense
+        # of once, in finish(), after the client has all of it.
         if self._overflow:
             return
         self._buf += chunk
         if len(self._buf) > self.limit:
             self._overflow = True
             self._buf.clear()
-            return
-        if self.streaming:
-            self._drain_events()
 
     def finish(self) -> Reply | None:
         if self._overflow:
             return None
         try:
             if self.streaming:
-                self._buf += b"\n\n"
-                self._drain_events()
-                self.reply.tool_calls = [self._calls[i] for i in sorted(self._calls)]
+                self._parse_events(bytes(self._buf))
             else:
                 self._parse_whole(orjson.loads(bytes(self._buf)))
         except (orjson.JSONDecodeError, TypeError, ValueError, AttributeError, KeyError):
             return None
         return self.reply
 
-    def _drain_events(self) -> None:
-        buf = self._buf
-        while True:
-            end, sep = _event_end(buf)
-            if end < 0:
-                return
-            event = bytes(buf[:end])
-            del buf[: end + sep]
-            for line in event.splitlines():
-                if line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data and data != b"[DONE]":
-                        self._parse_chunk(orjson.loads(data))
+    def _parse_events(self, raw: bytes) -> None:
+        content: list[str] = []
+        reasoning: list[str] = []
+        for line in raw.replace(b"\r\n", b"\n").split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data and data != b"[DONE]":
+                    self._parse_chunk(orjson.loads(data), content, reasoning)
+        self.reply.content = "".join(content)
+        self.reply.reasoning = "".join(reasoning)
+        self.reply.tool_calls = [self._calls[i] for i in sorted(self._calls)]
 
-    def _parse_chunk(self, chunk: dict[str, Any]) -> None:
+    def _parse_chunk(self, chunk: dict[str, Any], content: list[str], reasoning: list[str]) -> None:
         if "timings" in chunk:
             self.reply.timings = chunk["timings"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                self.reply.content += delta["content"]
+                content.append(delta["content"])
             if delta.get("reasoning_content"):
-                self.reply.reasoning += delta["reasoning_content"]
+                reasoning.append(delta["reasoning_content"])
             for call in delta.get("tool_calls") or []:
                 self._merge_call(call)
             if choice.get("finish_reason"):
@@ -129,13 +124,3 @@ class ReplyCapture:
             for call in message.get("tool_calls") or []
         ]
         self.reply.finish_reason = choice.get("finish_reason")
-
-
-def _event_end(buf: bytearray) -> tuple[int, int]:
-    """Index and length of the first event separator (blank line) in an SSE buffer."""
-    best, size = -1, 0
-    for sep in (b"\n\n", b"\r\n\r\n"):
-        i = buf.find(sep)
-        if i >= 0 and (best < 0 or i < best):
-            best, size = i, len(sep)
-    return best, size

@@ -49,6 +49,10 @@ class Slot:
     # (id_task, n_prompt_tokens) as GET /slots showed them right after our last use: if the
     # server shows anything else later, someone else used or wiped the slot.
     snapshot: tuple[Any, Any] | None = None
+    seen_at: float = 0.0  # time.monotonic() when GET /slots last confirmed the snapshot
+    # When kvproxy last gave the slot work: a server with idle-slot wiping may wipe every
+    # other idle slot then.
+    started_at: float = 0.0
 
     def shared_depth(self, keys: list[str], namespace: str) -> int:
         holding = self.holding
@@ -84,6 +88,13 @@ class SlotPool:
     def resize(self, n_slots: int) -> None:
         if n_slots != len(self.slots):
             self.slots = [Slot(i) for i in range(n_slots)]
+
+    def still_as_seen(self, slot: Slot, within: float) -> bool:
+        """Can what GET /slots last showed for `slot` be trusted without asking again? Only
+        shortly after, and if no other slot was given work since (which can wipe it)."""
+        if time.monotonic() - slot.seen_at >= within:
+            return False
+        return all(o.started_at <= slot.seen_at for o in self.slots if o is not slot)
 
     def forget_all(self) -> None:
         for slot in self.slots:
@@ -141,6 +152,7 @@ class SlotPool:
             else:
                 slot, depth = self.choose(keys or [], namespace)
             slot.busy = True
+            slot.started_at = time.monotonic()
             return slot, depth
 
     async def acquire_all(self) -> list[Slot]:

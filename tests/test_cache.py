@@ -358,3 +358,18 @@ async def test_ineffective_restores_stop_after_a_few(make: Maker) -> None:
     assert outcomes[3:] == ["miss"] * 3
     assert proxy.cache.stats.ineffective_restores == 3
     assert len([a for a in fake.actions if a[0] == "restore"]) == 3
+
+
+async def test_a_resident_turn_right_after_its_last_one_skips_the_slot_check(
+    make: Maker,
+) -> None:
+    """The snapshot taken after turn 1 is still good when turn 2 comes at once and no other
+    slot got work since; the round trip it saves is on every request's path."""
+    fake, proxy = await make()
+    _, r1, _ = await chat(proxy, conv(1))
+    await settle(proxy)
+    _, _, h = await chat(proxy, then(conv(1), r1))
+    assert h["X-KVProxy-Cache"] == "resident"
+    paths = [p for m, p, _ in fake.requests if p in ("/slots", "/v1/chat/completions")]
+    first, second = [i for i, p in enumerate(paths) if p == "/v1/chat/completions"]
+    assert paths[first + 1 : second] == ["/slots"]  # the snapshot after turn 1 only
