@@ -11,8 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvproxy.bench.conversations import first_turn
+
 from .conftest import RealServer, start_proxy, start_real_server
-from .conversations import first_turn
 
 pytestmark = pytest.mark.real
 

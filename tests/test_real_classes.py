@@ -18,8 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvproxy.bench.conversations import system_prompt
+
 from .conftest import RealServer, bundled_model, start_proxy, start_real_server
-from .conversations import system_prompt
 
 pytestmark = pytest.mark.real
 

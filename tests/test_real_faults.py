@@ -7,10 +7,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvproxy.bench.conversations import first_turn
 from kvproxy.managed import free_port
 
 from .conftest import start_proxy, start_real_server
-from .conversations import first_turn
 from .test_cache import settle
 from .test_real_cache import chat, next_turn, reuse
 
