@@ -138,9 +138,14 @@ async def _direct(
 ) -> None:
     first = await client.chat(url, messages, opts.turn1_tokens)
     _check(point, "turn 1", first)
-    # Each repeat asks a different question, so each prefills a new turn on a resident slot.
+    # Each repeat asks a different question on a slot holding turn 1 as it was left: turn 1
+    # again (all cached, the same reply at temperature 0) undoes the previous question, which
+    # would otherwise leave a longer shared prefix than a first return has (kvproxy restores
+    # the turn-1 state each time, so both arms measure a first return).
     residents = []
     for k in range(opts.repeats):
+        if k:
+            _check(point, "turn 1 again", await client.chat(url, messages, opts.turn1_tokens))
         reply = await client.chat(url, next_turn(messages, first.content, 2 + k), 1)
         _check(point, "resident", reply)
         residents.append(reply)
