@@ -50,7 +50,7 @@ INEFFECTIVE_LIMIT = 3
 # request, never a wrong answer (the server compares tokens); checking costs a round trip on
 # every request. Slot actions always check first.
 SNAPSHOT_TRUST = 1.0
-# While caching is off (no GET /slots), how often a chat request may look again.
+# While the server refuses GET /slots (caching off), how often a chat request may look again.
 REDISCOVER_INTERVAL = 1.0
 
 
@@ -95,7 +95,9 @@ class ConversationCache:
         self._housekeeper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._last_props_check = 0.0
-        self._last_discover_try = 0.0
+        # When a server that answered /props last refused GET /slots: requests then look again
+        # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
+        self._no_slots_seen = 0.0
         self._disk_error_logged = False
         self._ineffective_streak: dict[str, int] = {}
         self._restores_off: set[str] = set()
@@ -131,7 +133,6 @@ class ConversationCache:
                             self.pool.release(got)
 
     async def _discover(self) -> None:
-        self._last_discover_try = time.monotonic()
         props = await self.upstream.get_json("/props")
         identity = await asyncio.to_thread(_model_identity, props)
         try:
@@ -139,6 +140,7 @@ class ConversationCache:
         except UpstreamError as exc:
             if self.enabled or self.model_identity != identity:
                 log.warning("GET /slots failed (%s): caching is off, requests pass through", exc)
+            self._no_slots_seen = time.monotonic()
             self.enabled = False
             self.model_identity = identity
             return
@@ -228,7 +230,7 @@ class ConversationCache:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_json")
-        if not self.enabled and time.monotonic() - self._last_discover_try > REDISCOVER_INTERVAL:
+        if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
             with contextlib.suppress(UpstreamError):
                 await self._discover()
         if not self.enabled or not isinstance(payload, dict):

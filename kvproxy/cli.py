@@ -225,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if parsed.func is not None:
         if server_args:
             parsed.server_args = server_args
+        # The command line as typed, for commands that print it (benchmarks).
+        parsed.argv = [*args, *(["--", *server_args] if server_args else [])]
         return int(parsed.func(parsed))
     cli = {k: v for k, v in vars(parsed).items() if k not in ("command", "func")}
     if server_args:

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import shlex
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -122,7 +121,7 @@ async def _run(args: argparse.Namespace) -> int:
     env = await asyncio.to_thread(
         BenchEnv.create, workdir, args.model, args.server_bin, args.threads, args.server_args
     )
-    argv = ["kvproxy", *sys.argv[1:]]
+    argv = ["kvproxy", *args.argv]
     head = await asyncio.to_thread(header, env, argv[1:])
     head["command"] = shlex.join(argv)
     print("\n".join(header_lines(head)) + "\n", flush=True)
