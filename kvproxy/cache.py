@@ -98,6 +98,8 @@ class ConversationCache:
         # When a server that answered /props last refused GET /slots: requests then look again
         # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
         self._no_slots_seen = 0.0
+        # How each namespace's client echoes replies (canonical.observe_echo).
+        self._echo_styles: dict[str, str] = {}
         self._disk_error_logged = False
         self._ineffective_streak: dict[str, int] = {}
         self._restores_off: set[str] = set()
@@ -411,7 +413,30 @@ class ConversationCache:
 
     # --- getting the conversation into its slot
 
+    def _learn_echo_style(self, slot: Slot, plan: Plan) -> None:
+        """The request continues what the slot holds: see how the client echoed our reply."""
+        holding = slot.holding
+        if holding is None or not holding.messages:
+            return
+        n = len(holding.messages)
+        if len(plan.messages) < n or slot.shared_depth(plan.keys, plan.namespace) < n:
+            return
+        style = canonical.observe_echo(holding.messages[-1], plan.messages[n - 1])
+        if style is not None:
+            self._echo_styles[plan.namespace] = style
+
+    async def _learn_echo_style_from_disk(self, entry: Entry, plan: Plan) -> None:
+        """As _learn_echo_style, for a conversation that came back from disk."""
+        messages = await asyncio.to_thread(self.store.read_messages, entry.key)
+        n = len(messages or [])
+        if not messages or len(plan.messages) < n or plan.keys[n - 1] != entry.key:
+            return
+        style = canonical.observe_echo(messages[-1], plan.messages[n - 1])
+        if style is not None:
+            self._echo_styles[plan.namespace] = style
+
     async def _prepare(self, slot: Slot, plan: Plan) -> tuple[str, dict[str, str]]:
+        self._learn_echo_style(slot, plan)
         verified = slot.holding is None or self.pool.still_as_seen(slot, SNAPSHOT_TRUST)
         if not verified:
             await self._verify(slot)
@@ -427,6 +452,8 @@ class ConversationCache:
                 await self._save(slot)
             restored = await self._restore(slot, entry)
             if restored is not None:
+                if plan.namespace not in self._echo_styles:
+                    self._spawn(self._learn_echo_style_from_disk(entry, plan))
                 n_tokens, ms = restored
                 return "restored", {
                     "X-KVProxy-Cache": "restored",
@@ -602,7 +629,10 @@ class ConversationCache:
         started = time.perf_counter()
         try:
             tokens = await canonical.prefix_tokens(
-                self.upstream, holding.template, holding.messages
+                self.upstream,
+                holding.template,
+                holding.messages,
+                self._echo_styles.get(holding.namespace),
             )
         except (UpstreamError, ValueError) as exc:
             log.debug("no canonical prefix for %s: %s", holding.key[:12], exc)

@@ -39,22 +39,45 @@ def template_fields(payload: Mapping[str, Any]) -> dict[str, Any]:
     return {name: payload[name] for name in TEMPLATE_FIELDS if name in payload}
 
 
-def echo_variants(reply: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The reply as different clients send it back: as generated, with the text's surrounding
-    whitespace trimmed, and with tool-call arguments re-serialised with and without spaces.
+# How a client sends replies back, as far as kvproxy has seen (EchoStyle per namespace).
+VERBATIM, STRIPPED, RSTRIPPED = "verbatim", "strip", "rstrip"
+_TRIMS = {VERBATIM: None, STRIPPED: str.strip, RSTRIPPED: str.rstrip}
+
+
+def echo_variants(reply: Mapping[str, Any], style: str | None = None) -> list[dict[str, Any]]:
+    """The reply as clients may send it back, with tool-call arguments re-serialised with and
+    without spaces. With `style` unknown: as generated and with surrounding whitespace
+    trimmed (the prefix then stops where they differ); with `style` seen: that form only.
     Where the template renders these alike, they cost nothing."""
-    variants = [dict(reply)]
-    for separators in ((", ", ": "), (",", ":")):
-        other = copy.deepcopy(dict(reply))
-        if isinstance(other.get("content"), str):
-            other["content"] = other["content"].strip() or None
-        for call in other.get("tool_calls") or []:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                fn["arguments"] = _reserialised(fn["arguments"], separators)
-        if other not in variants:
-            variants.append(other)
+    trims = [_TRIMS[style]] if style in _TRIMS else [None, str.strip]
+    variants: list[dict[str, Any]] = []
+    for trim in trims:
+        for separators in (None, (", ", ": "), (",", ":")):
+            other = copy.deepcopy(dict(reply))
+            if trim is not None and isinstance(other.get("content"), str):
+                other["content"] = trim(other["content"]) or None
+            for call in (other.get("tool_calls") or []) if separators else []:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = _reserialised(fn["arguments"], separators)
+            if other not in variants:
+                variants.append(other)
     return variants
+
+
+def observe_echo(ours: Mapping[str, Any], theirs: Any) -> str | None:
+    """How the client echoed the reply kvproxy captured, when that tells anything."""
+    mine = ours.get("content")
+    got = theirs.get("content") if isinstance(theirs, Mapping) else None
+    if not isinstance(mine, str) or not isinstance(got, str) or mine == mine.strip():
+        return None  # no surrounding whitespace: every style looks the same
+    if got == mine:
+        return VERBATIM
+    if got == mine.strip():
+        return STRIPPED
+    if got == mine.rstrip():
+        return RSTRIPPED
+    return None
 
 
 def _reserialised(arguments: str, separators: tuple[str, str]) -> str:
@@ -88,14 +111,17 @@ def common_prefix(sequences: Sequence[Sequence[int]]) -> list[int]:
 
 
 async def prefix_tokens(
-    upstream: Upstream, fields: Mapping[str, Any], messages: Sequence[Any]
+    upstream: Upstream,
+    fields: Mapping[str, Any],
+    messages: Sequence[Any],
+    style: str | None = None,
 ) -> list[int] | None:
     """The canonical prefix of the request after `messages` (whose last one is the reply as
     echoed), or None when the server cannot render it (then the slot is saved as it is)."""
     if not messages or not renderable(messages):
         return None
     history, reply = list(messages[:-1]), messages[-1]
-    variants = echo_variants(reply)
+    variants = echo_variants(reply, style)
     renders = [[*history, variants[0], nxt] for nxt in NEXT_MESSAGES]
     renders += [[*history, echo, NEXT_MESSAGES[0]] for echo in variants[1:]]
     prompts = await asyncio.gather(*(_render(upstream, fields, m) for m in renders))

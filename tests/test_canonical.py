@@ -161,3 +161,45 @@ def test_media_conversations_are_not_rendered() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     assert not canonical.renderable([{"role": "user", "content": [image]}])
     assert canonical.renderable([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+
+
+def leading_newline(messages: list[dict]) -> str:
+    return "\nA reply that starts on a new line, as some models write them."
+
+
+async def test_a_verbatim_client_gets_the_whole_reply_once_seen(make: Maker) -> None:
+    """Until kvproxy has seen how a client echoes replies, the prefix stops where the trimmed
+    and untrimmed replies part (here at the reply's first character); once it has seen this
+    client echo verbatim, the saved prefix takes in the whole reply."""
+    fake, proxy = await make(server={"reuse": "extend", "reply": leading_newline})
+
+    async def returning_turn(c: int) -> dict:
+        first = conv(c)
+        _, r1, _ = await chat(proxy, first)
+        msg = r1["choices"][0]["message"]
+        turn2 = [
+            *first,
+            {"role": "assistant", "content": msg["content"]},
+            {"role": "user", "content": NEW},
+        ]
+        await chat(proxy, conv(c + 1))  # two more conversations push this one out to disk
+        await chat(proxy, conv(c + 2))
+        await settle(proxy)
+        _, r, h = await chat(proxy, turn2)
+        assert h["X-KVProxy-Cache"] == "restored"
+        return r["timings"]
+
+    before = await returning_turn(10)  # not seen yet: the whole reply is prefilled again
+    assert before["prompt_n"] > new_turn_bound() + 40, before
+    after = await returning_turn(20)  # seen verbatim (turn 2 of conversation 10 was resident)
+    assert after["prompt_n"] <= new_turn_bound(), after
+    assert proxy.cache._echo_styles == {next(iter(proxy.cache._echo_styles)): "verbatim"}
+
+
+def test_observe_echo() -> None:
+    ours = {"role": "assistant", "content": "\nHi there. "}
+    assert canonical.observe_echo(ours, {"content": "\nHi there. "}) == "verbatim"
+    assert canonical.observe_echo(ours, {"content": "Hi there."}) == "strip"
+    assert canonical.observe_echo(ours, {"content": "\nHi there."}) == "rstrip"
+    assert canonical.observe_echo(ours, {"content": "Something else"}) is None
+    assert canonical.observe_echo({"content": "Hi"}, {"content": "Hi"}) is None  # tells nothing
