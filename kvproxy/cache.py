@@ -443,8 +443,12 @@ class ConversationCache:
         resident = slot.shared_depth(plan.keys, plan.namespace)
         found = None
         if self.disk_enabled:
-            await self._evict()
             found = self.store.lookup(plan.keys, plan.namespace)
+            # Housekeeping applies the TTL every second; an entry that expired since then is
+            # not restored either (a full eviction pass costs O(entries) per request).
+            if found is not None and self.store.expired(found[0]):
+                await self._evict()
+                found = self.store.lookup(plan.keys, plan.namespace)
         if found is not None and found[1] > resident and plan.namespace not in self._restores_off:
             entry, _depth = found
             await self._verify(slot)  # a slot action follows: the slot must be idle

@@ -251,6 +251,10 @@ class Store:
         else:
             self._pinned.pop(key, None)
 
+    def expired(self, entry: Entry, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return self.ttl > 0 and now - entry.last_used > self.ttl
+
     def select_victims(self, now: float | None = None, incoming: int = 0) -> list[Entry]:
         """TTL first, then least recently used until the budget (plus `incoming`) fits.
 
@@ -260,7 +264,7 @@ class Store:
         victims: list[Entry] = []
         if self.ttl > 0:
             for entry in list(self.entries.values()):
-                if now - entry.last_used > self.ttl and entry.key not in self._pinned:
+                if self.expired(entry, now) and entry.key not in self._pinned:
                     victims.append(entry)
                     self._forget(entry.key)
         if self.max_bytes > 0:
