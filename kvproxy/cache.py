@@ -792,11 +792,14 @@ class ConversationCache:
         """Which known conversation of the same namespace this request came closest to:
         `candidates` (from slots), and the most recently used stored ones."""
         try:
-            stored = self.store.recent_with_text(plan.namespace)
+            # Slots first: a conversation that keeps missing (a timestamp in its system prompt)
+            # is usually still in one, and then no stored text needs reading for every miss.
+            found = explain_miss(plan.messages, candidates) if candidates else None
+            stored = self.store.recent_with_text(plan.namespace) if found is None else []
             if stored:
                 texts = await asyncio.to_thread(self.store.read_many_messages, stored)
-                candidates = [*candidates, *((f"disk {k[:12]}", m) for k, m in texts)]
-            return explain_miss(plan.messages, candidates)
+                found = explain_miss(plan.messages, [(f"disk {k[:12]}", m) for k, m in texts])
+            return found
         except Exception:
             log.exception("explaining a miss failed")
             return None
