@@ -17,17 +17,17 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 
 from ..managed import ManagedServer, find_server_binary, free_port, resolve_model, server_command
 from ..modelinfo import ModelInfo, read_model_info
+from .process import LoggedProcess
 
 log = logging.getLogger("kvproxy.bench")
 
@@ -167,9 +167,8 @@ class ProxyArm(Arm):
         self.proxy_args = list(proxy_args or [])
         self.cache_dir = env.new_dir("kvproxy-cache")
         self.log_path = self.cache_dir.parent / f"{self.cache_dir.name}.log"
-        self.process: asyncio.subprocess.Process | None = None
+        self.proc = LoggedProcess(self.log_path)
         self.url = ""
-        self._log: IO[bytes] | None = None
 
     def command(self, port: int) -> list[str]:
         return [
@@ -199,14 +198,7 @@ class ProxyArm(Arm):
     async def start(self) -> None:
         await asyncio.to_thread(self.cache_dir.mkdir, 0o700, True, True)
         port = free_port()
-        self._log = await asyncio.to_thread(open, self.log_path, "ab")
-        self.process = await asyncio.create_subprocess_exec(
-            *self.command(port),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
+        await self.proc.start(self.command(port))
         self.url = f"http://127.0.0.1:{port}"
         await self._wait_ready()
 
@@ -215,10 +207,9 @@ class ProxyArm(Arm):
         deadline = time.monotonic() + self.env.start_timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while True:
-                assert self.process is not None
-                if self.process.returncode is not None:
+                if self.proc.exited is not None:
                     tail = await asyncio.to_thread(_tail, self.log_path)
-                    raise RuntimeError(f"kvproxy exited with {self.process.returncode}:\n{tail}")
+                    raise RuntimeError(f"kvproxy exited with {self.proc.exited}:\n{tail}")
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
                     async with session.get(self.url + "/kvproxy/stats") as resp:
                         if resp.status == 200 and (await resp.json()).get("enabled"):
@@ -236,21 +227,7 @@ class ProxyArm(Arm):
             return dict(await resp.json())
 
     async def stop(self) -> None:
-        proc = self.process
-        if proc is not None and proc.returncode is None:
-            # SIGTERM is the graceful path a user's Ctrl-C takes: slots saved, server stopped.
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 120)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        self.process = None
-        if self._log is not None:
-            await asyncio.to_thread(self._log.close)
-            self._log = None
+        await self.proc.stop(grace=120)  # saving every slot may take a while
 
 
 def _tail(path: Path, n: int = 30) -> str:

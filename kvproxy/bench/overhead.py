@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
-import signal
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 import orjson
@@ -35,6 +32,7 @@ import orjson
 from .. import keys as keymod
 from ..managed import free_port
 from .arms import BenchEnv
+from .process import LoggedProcess
 from .report import progress, table
 
 CACHE_ON = "cache on"
@@ -107,45 +105,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-class _Process:
-    """A helper process with its output in a log file."""
-
-    def __init__(self, command: list[str], log_path: Path) -> None:
-        self.command = command
-        self.log_path = log_path
-        self.process: asyncio.subprocess.Process | None = None
-        self._log: IO[bytes] | None = None
-
-    async def start(self) -> None:
-        self._log = await asyncio.to_thread(open, self.log_path, "ab")
-        self.process = await asyncio.create_subprocess_exec(
-            *self.command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), 30)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                await self.process.wait()
-        if self._log is not None:
-            await asyncio.to_thread(self._log.close)
-            self._log = None
-
-
-async def _wait_up(session: aiohttp.ClientSession, url: str, proc: _Process) -> None:
+async def _wait_up(session: aiohttp.ClientSession, url: str, proc: LoggedProcess) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if proc.process is not None and proc.process.returncode is not None:
-            raise RuntimeError(f"{proc.command[:4]} exited; see {proc.log_path}")
+        if proc.exited is not None:
+            raise RuntimeError(f"a helper process exited ({proc.exited}); see {proc.log_path}")
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
             async with session.get(url) as resp:
                 if resp.status == 200:
@@ -168,40 +132,36 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
     workdir = env.new_dir(f"overhead-{mode.replace(' ', '-')}")
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     fake_port, proxy_port = free_port(), free_port()
-    fake = _Process(
-        [
-            sys.executable,
-            "-m",
-            "kvproxy.bench.fakeupstream",
-            "--port",
-            str(fake_port),
-            "--slots" if mode == CACHE_ON else "--no-slots",
-        ],
-        workdir / "fake.log",
-    )
+    fake_command = [
+        sys.executable,
+        "-m",
+        "kvproxy.bench.fakeupstream",
+        "--port",
+        str(fake_port),
+        "--slots" if mode == CACHE_ON else "--no-slots",
+    ]
+    fake = LoggedProcess(workdir / "fake.log")
     direct = f"http://127.0.0.1:{fake_port}"
-    proxy = _Process(
-        [
-            sys.executable,
-            "-m",
-            "kvproxy.cli",
-            "serve",
-            "--upstream",
-            direct,
-            "--port",
-            str(proxy_port),
-            "--cache-dir",
-            str(workdir / "cache"),
-        ],
-        workdir / "kvproxy.log",
-    )
+    proxy_command = [
+        sys.executable,
+        "-m",
+        "kvproxy.cli",
+        "serve",
+        "--upstream",
+        direct,
+        "--port",
+        str(proxy_port),
+        "--cache-dir",
+        str(workdir / "cache"),
+    ]
+    proxy = LoggedProcess(workdir / "kvproxy.log")
     proxied = f"http://127.0.0.1:{proxy_port}"
     out = ModeResult(mode)
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
     try:
-        await fake.start()
+        await fake.start(fake_command)
         await _wait_up(session, direct + "/health", fake)
-        await proxy.start()
+        await proxy.start(proxy_command)
         await _wait_up(session, proxied + "/kvproxy/stats", proxy)
         body = orjson.dumps(
             {
@@ -236,8 +196,8 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
             out.ttfb_proxied_ms.append(await _ttfb(session, proxied, out))
     finally:
         await session.close()
-        await proxy.stop()
-        await fake.stop()
+        await proxy.stop(grace=30)
+        await fake.stop(grace=30)
     return out
 
 
