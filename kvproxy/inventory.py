@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "gc",
         help="apply the TTL and the byte budget now",
         description="Evict entries unused for longer than --ttl, then the least recently "
-        "used ones until the cache fits --max-disk, as the proxy does before each lookup.",
+        "used ones until the cache fits --max-disk, as a running proxy's housekeeping does.",
     )
     gc.add_argument("--dry-run", action="store_true", help="only say what would be evicted")
     add_settings_flags(gc, only=["cache_dir", "ttl", "max_disk"])
