@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterable, Callable, Mapping
 from dataclasses import dataclass
@@ -113,19 +114,20 @@ async def relay(
                     tap(chunk)
             complete = True
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            # The server went away mid-reply. Headers are out, so the status cannot change:
-            # end an event stream with an error event, anything else by cutting it short.
+            # The server went away mid-reply. Headers are out, so the status cannot change.
             log.warning("upstream broke off %s %s: %s", request.method, path_qs, exc)
-            if up.headers.get("Content-Type", "").startswith("text/event-stream"):
-                try:
+            if _ends_as_error_event(up.headers):
+                # An event stream ends with an error event and a properly terminated body:
+                # clients show the error instead of failing to read the response.
+                with contextlib.suppress(ConnectionError, RuntimeError):
                     await resp.write(sse_error_event(f"llama-server broke off the reply: {exc}"))
-                except (ConnectionError, RuntimeError):
-                    pass
+                    await resp.write_eof()
+                    return RelayResult(resp, up.status, False)
         if complete:
             await resp.write_eof()
-        else:
-            if request.transport is not None:
-                request.transport.close()
+        elif request.transport is not None:
+            # Any other body is cut short, so no client takes a truncated one for a whole one.
+            request.transport.close()
         return RelayResult(resp, up.status, complete)
     finally:
         if not complete:
@@ -133,3 +135,12 @@ async def relay(
             # generating for a client that has gone.
             up.close()
         await upstream_cm.__aexit__(None, None, None)
+
+
+def _ends_as_error_event(headers: Mapping[str, str]) -> bool:
+    """An SSE body we relay chunked: with a Content-Length the client expects exactly that
+    many bytes, so an error event would not make the body whole."""
+    return (
+        headers.get("Content-Type", "").startswith("text/event-stream")
+        and "Content-Length" not in headers
+    )

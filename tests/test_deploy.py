@@ -18,7 +18,7 @@ import pytest
 from kvproxy.config import Settings
 from kvproxy.managed import find_server_binary, free_port, server_command
 
-from .conftest import bundled_model
+from .conftest import bundled_model, run_server_command, server_loop
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNITS = ("kvproxy.service", "llama-server.service")
@@ -160,6 +160,25 @@ def test_llama_server_unit_has_the_flags_kvproxy_needs(tmp_path: Path) -> None:
     assert words[words.index("--host") + 1] == "127.0.0.1"
 
 
+@pytest.mark.real
+def test_the_sigill_fix_the_docs_give_reaches_the_server() -> None:
+    """deploy/README.md's drop-in for CPUs that die with SIGILL: the flag is one this
+    llama-server takes, and LLAMA_EXTRA_ARGS ends up as its own words on the command line."""
+    readme = (DEPLOY / "README.md").read_text()
+    assert 'Environment="LLAMA_EXTRA_ARGS=--no-repack"' in readme
+    words = unit_settings("llama-server.service")["ExecStart"][0].split()
+    assert words[-1] == "$LLAMA_EXTRA_ARGS"
+    assert expand(words[-1], {"LLAMA_EXTRA_ARGS": "-ngl 99 --no-repack"}) == [
+        "-ngl",
+        "99",
+        "--no-repack",
+    ]
+    helped = subprocess.run(
+        [str(find_server_binary(None)), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert "--no-repack" in helped.stdout + helped.stderr
+
+
 def test_env_file_names_only_real_settings() -> None:
     named = set(re.findall(r"\bKVPROXY_[A-Z0-9_]+", env_file()))
     fields = {f"KVPROXY_{name.upper()}" for name in Settings.model_fields}
@@ -236,12 +255,12 @@ def test_the_units_commands_work_together(tmp_path: Path) -> None:
     kv_words[0] = str(kvproxy_bin())
 
     llama_log, proxy_log = tmp_path / "llama.log", tmp_path / "kvproxy.log"
-    with open(llama_log, "wb") as out:
-        llama = subprocess.Popen(words, stdout=out, stderr=subprocess.STDOUT)
+    # Through the start-up path the test suite shares: on a CPU where this binary needs
+    # --no-repack (deploy/README.md: LLAMA_EXTRA_ARGS), it is added as the unit would get it.
+    llama = run_server_command(words, llama_port, llama_log)
     with open(proxy_log, "wb") as out:
         proxy = subprocess.Popen(kv_words, env=proxy_env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(f"http://127.0.0.1:{llama_port}", llama, llama_log)
         wait_healthy(f"http://127.0.0.1:{proxy_port}", proxy, proxy_log)
         messages = [{"role": "user", "content": "Say hello."}]
         verdicts = []
@@ -257,10 +276,10 @@ def test_the_units_commands_work_together(tmp_path: Path) -> None:
             ]
         assert verdicts[1] in ("resident", "restored"), (verdicts, proxy_log.read_text())
     finally:
-        for proc in (proxy, llama):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        proxy.terminate()
+        try:
+            proxy.wait(30)
+        except subprocess.TimeoutExpired:
+            proxy.kill()
+            proxy.wait()
+        server_loop().run(llama.stop(grace=30))

@@ -125,7 +125,7 @@ def test_server_death_exits_nonzero_with_its_last_lines(managed) -> None:
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(60) == 1
     text = log.read_text()
-    assert "llama-server exited with code -9" in text and "its last lines" in text
+    assert "llama-server was killed by SIGKILL (exit -9)" in text and "its last lines" in text
 
 
 def test_a_server_that_cannot_start_is_reported(tmp_path: Path) -> None:
@@ -154,4 +154,5 @@ def test_a_server_that_cannot_start_is_reported(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 1
-    assert "exited with code 3" in proc.stderr and "unknown argument --bogus" in proc.stderr
+    assert "llama-server exited with 3" in proc.stderr
+    assert "unknown argument --bogus" in proc.stderr

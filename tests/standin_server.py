@@ -1,0 +1,78 @@
+"""A stand-in llama-server binary for start-up tests: it dies the way llama-server dies on
+Intel VMs whose CPU lists AMX (SIGILL at warm-up, unless started with --no-repack), or
+answers like a server without slots (health, and a canned chat reply).
+
+`standin_binary(dir, mode)` writes an executable that runs `main(mode, record)`; each start
+appends its argv to `record`, so tests can count the attempts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+REPO = Path(__file__).resolve().parent.parent
+DIES_UNLESS_NO_REPACK = "sigill-unless-no-repack"
+ALWAYS_DIES = "sigill-always"
+REPLY = "stand-in says hello"
+
+
+def standin_binary(directory: Path, mode: str) -> tuple[Path, Path]:
+    """(the executable, the file its starts are recorded in)."""
+    record = directory / f"standin-{mode}.starts"
+    binary = directory / f"llama-server-{mode}"
+    script = (
+        f"#!{sys.executable}\n"
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
+        "from tests.standin_server import main\n"
+        f"main({mode!r}, {str(record)!r})\n"
+    )
+    if not binary.exists():  # rewritten, it would be another binary (a rebuild)
+        binary.write_text(script)
+        binary.chmod(0o755)
+    return binary, record
+
+
+def starts(record: Path) -> list[list[str]]:
+    if not record.exists():
+        return []
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def main(mode: str, record: str) -> None:
+    argv = sys.argv[1:]
+    with open(record, "a") as f:
+        f.write(json.dumps(argv) + "\n")
+    print("system_info: n_threads = 2 | CPU : AMX_INT8 = 1 |", flush=True)
+    print("llama threadpool init, n_threads = 2", flush=True)
+    if mode == ALWAYS_DIES or (mode == DIES_UNLESS_NO_REPACK and "--no-repack" not in argv):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.kill(os.getpid(), signal.SIGILL)
+    port = int(argv[argv.index("--port") + 1])
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def chat(_request: web.Request) -> web.Response:
+        message = {"role": "assistant", "content": REPLY}
+        return web.json_response(
+            {
+                "id": "chatcmpl-standin",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "standin",
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
