@@ -109,7 +109,7 @@ class ConversationCache:
     # --- life cycle
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.store.open)
+        await self.store.open_async()
         try:
             await self._discover()
         except UpstreamError as exc:
@@ -168,7 +168,7 @@ class ConversationCache:
         self._last_props_check = time.monotonic()
 
     async def _notice_removals(self) -> None:
-        gone = await asyncio.to_thread(self.store.forget_removed)
+        gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
 
@@ -585,7 +585,7 @@ class ConversationCache:
                 chain=list(holding.chain),
                 messages=list(holding.messages),
             )
-            await asyncio.to_thread(self.store.commit, entry, temp)
+            entry = await self.store.commit_async(entry, temp)
         except UpstreamError as exc:
             self.stats.save_failures += 1
             self._emit_action(SlotActionEvent("save", False, seconds=time.perf_counter() - started))
@@ -711,20 +711,20 @@ class ConversationCache:
             self.stats.restores += 1
             self.stats.restored_tokens += n_restored
             self._emit_action(SlotActionEvent("restore", True, n_restored, entry.bytes, ms / 1000))
-            self._spawn(asyncio.to_thread(self.store.touch, entry.key))
+            self._spawn(self.store.touch_async(entry.key))
             return n_restored, ms
         finally:
             self.store.unpin(entry.key)
 
     async def _drop(self, entry: Entry) -> None:
-        await asyncio.to_thread(self.store.remove, entry.key)
+        await self.store.remove_async(entry)
 
     async def _evict(self) -> None:
         victims = self.store.select_victims()
         if victims:
             self.stats.evictions += len(victims)
             log.info("evicting %d cache entries", len(victims))
-            await asyncio.to_thread(self.store.delete_files, victims)
+            await self.store.delete_files_async(victims)
 
     async def _after_reply(self, slot: Slot, plan: Plan, reply: Any) -> None:
         if reply is not None and reply.complete:

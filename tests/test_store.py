@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -174,3 +177,125 @@ def test_entries_of_another_model_never_match(tmp_path: Path) -> None:
     other_model = keys.namespace("another-model.gguf", {}, None)
     assert store.lookup(keys.chain(other_model, conversation), other_model) is None
     assert store.lookup(keys.chain(NS, conversation), NS) is not None
+
+
+def test_a_commit_of_nothing_keeps_the_old_entry(tmp_path: Path) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    store.open()
+    entry = save(store, 2)
+    again = Entry(entry.key, NS, 10, 0, 2, 0, 0, chain=entry.chain)
+    with pytest.raises(FileNotFoundError, match="wrote no file"):
+        store.commit(again, store.temp_name(entry.key))  # the server wrote nothing there
+    assert store.entries == {entry.key: entry}
+    assert store.check_state_file(entry) is None
+
+
+def test_the_index_changes_only_on_its_own_thread(tmp_path: Path) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    store.open()
+    with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="off its thread"):
+        pool.submit(save, store, 1).result()  # what asyncio.to_thread(store.commit) did
+    assert store.entries == {}
+
+
+# --- the proxy's calls: file I/O in a thread, the index on the loop
+
+
+async def save_async(store: Store, messages: int, size: int = 1000) -> Entry:
+    chain = keys.chain(NS, [{"role": "user", "content": f"m{i}"} for i in range(messages)])
+    temp = store.temp_name(chain[-1])
+    (store.root / temp).write_bytes(state_bytes(10, size))
+    now = time.time()
+    entry = Entry(chain[-1], NS, 10, 0, messages, now, now, chain=chain)
+    return await store.commit_async(entry, temp)
+
+
+def on_disk(root: Path) -> set[str]:
+    return {p.name[:-4] for p in root.iterdir() if p.suffix == ".idx"}
+
+
+async def test_async_calls_keep_index_and_disk_in_step(tmp_path: Path) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    await store.open_async()
+    a, b = await save_async(store, 1), await save_async(store, 2)
+    assert store._owner == threading.get_ident()  # the loop's thread
+    assert set(store.entries) == on_disk(tmp_path) == {a.key, b.key}
+    assert store.entries[a.key].bytes == 1000
+    await store.touch_async(a.key)
+    assert store.entries[a.key].hits == 1
+    assert Entry.from_json((tmp_path / f"{a.key}.idx").read_bytes()).hits == 1
+    await store.remove_async(a)
+    assert set(store.entries) == on_disk(tmp_path) == {b.key}
+    assert not list(tmp_path.glob(f"{a.key}*"))
+    (tmp_path / f"{b.key}.idx").unlink()  # what `kvproxy rm` does first
+    assert await store.forget_removed_async() == [b.key]
+    assert store.entries == {}
+    reopened = Store(tmp_path, ttl=0, max_bytes=0)
+    await reopened.open_async()
+    assert reopened.entries == {} and list(tmp_path.iterdir()) == []  # b's state was swept
+
+
+async def test_a_record_rewrite_cannot_outlive_a_later_delete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    await store.open_async()
+    entry = await save_async(store, 1)
+    rewrite = store.files.rewrite_record
+
+    def slow_rewrite(key: str, record: bytes) -> None:
+        time.sleep(0.2)  # a slow disk: the eviction below is issued meanwhile
+        rewrite(key, record)
+
+    monkeypatch.setattr(store.files, "rewrite_record", slow_rewrite)
+    touch = asyncio.ensure_future(store.touch_async(entry.key))
+    await asyncio.sleep(0)  # the rewrite is under way
+    await store.remove_async(entry)
+    await touch
+    assert list(tmp_path.iterdir()) == []  # no .idx came back without its state
+
+
+async def test_a_cancelled_commit_still_lands_in_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    await store.open_async()
+    commit = store.files.commit
+
+    def slow_commit(entry: Entry, temp: str) -> Entry | None:
+        time.sleep(0.2)
+        return commit(entry, temp)
+
+    monkeypatch.setattr(store.files, "commit", slow_commit)
+    saving = asyncio.ensure_future(save_async(store, 1))
+    await asyncio.sleep(0.05)
+    saving.cancel()  # the client hung up mid-save
+    with pytest.raises(asyncio.CancelledError):
+        await saving
+    for _ in range(100):
+        if store.entries:
+            break
+        await asyncio.sleep(0.01)
+    assert set(store.entries) == on_disk(tmp_path) and len(store.entries) == 1
+
+
+async def test_forget_removed_keeps_an_entry_committed_again_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    await store.open_async()
+    entry = await save_async(store, 1)
+    (tmp_path / f"{entry.key}.idx").unlink()  # `kvproxy rm` ...
+    missing = store.files.missing_records
+
+    def slow_listing(keys: list[str]) -> list[str]:
+        gone = missing(keys)
+        time.sleep(0.2)  # ... and the proxy saves the same conversation again meanwhile
+        return gone
+
+    monkeypatch.setattr(store.files, "missing_records", slow_listing)
+    checking = asyncio.ensure_future(store.forget_removed_async())
+    await asyncio.sleep(0)
+    again = await save_async(store, 1)
+    assert await checking == []
+    assert store.entries == {again.key: again} and on_disk(tmp_path) == {again.key}
