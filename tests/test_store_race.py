@@ -23,9 +23,9 @@ import pytest
 
 from kvproxy import cache as cachemod
 from kvproxy import keys
-from kvproxy import store as storemod
 from kvproxy.proxy import SERVICE
 from kvproxy.store import Entry
+from kvproxy.store import files as storefiles
 
 from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
@@ -68,14 +68,14 @@ async def test_a_commit_in_a_thread_never_changes_the_index_under_a_scrape(
     entries = store.entries = PausingEntries(store.entries)
 
     in_commit = threading.Event()
-    fsync = storemod._fsync_file
+    fsync = storefiles._fsync_file
 
     def slow_fsync(path: Path) -> None:  # runs in the commit's thread
         in_commit.set()
         time.sleep(0.1)
         fsync(path)
 
-    monkeypatch.setattr(storemod, "_fsync_file", slow_fsync)
+    monkeypatch.setattr(storefiles, "_fsync_file", slow_fsync)
     talking = asyncio.ensure_future(chat(proxy, conv(2)))  # its reply is saved: a commit
     while not in_commit.is_set():
         await asyncio.sleep(0.002)

@@ -1,0 +1,51 @@
+"""`Entry`, one saved slot state as the index knows it, and its index record.
+
+The record is what `<key>.idx` holds (see `kvproxy.store.files` for the files on disk): every
+field but `messages`, as JSON. Reading one checks the keys it names, so a damaged or foreign
+record is refused rather than indexed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import orjson
+
+from ..keys import is_key
+
+
+@dataclass
+class Entry:
+    key: str
+    namespace: str
+    n_tokens: int
+    bytes: int
+    n_messages: int
+    created: float
+    last_used: float
+    hits: int = 0  # restores of this entry
+    chain: list[str] = field(default_factory=list)  # prefix keys of the saved conversation
+    msgs_bytes: int = 0  # size of `<key>.msgs`; 0 when the conversation's text is not kept
+    # The conversation as the client will echo it, handed to `commit`, which writes it to
+    # `<key>.msgs` and drops it from the committed entry: read it back with `read_messages`.
+    messages: list[Any] | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({f: getattr(self, f) for f in _RECORD_FIELDS})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Entry:
+        data = orjson.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("index record is not an object")
+        # Fields a newer kvproxy added are ignored, so a downgrade keeps the cache.
+        entry = cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
+        if not is_key(entry.key) or not all(is_key(k) for k in entry.chain):
+            raise ValueError("malformed key in index record")
+        if entry.chain and entry.chain[-1] != entry.key:
+            raise ValueError("index record's chain does not end with its key")
+        return entry
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(Entry) if f.name != "messages")
