@@ -24,3 +24,4 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check kvproxy tests examples
 	$(VENV)/bin/ruff format --check kvproxy tests examples
+	$(VENV)/bin/mypy

@@ -19,10 +19,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import orjson
-
 from .keys import PROMPT_FIELDS
-from .upstream import Upstream, UpstreamError
+from .llama import LlamaClient
+from .upstream import UpstreamError
 
 # Request fields that the server's template rendering reads, beyond the messages.
 TEMPLATE_FIELDS = (*PROMPT_FIELDS, "tool_choice", "response_format")
@@ -56,9 +55,9 @@ def echo_variants(reply: Mapping[str, Any], style: str | None = None) -> list[di
             other = copy.deepcopy(dict(reply))
             if trim is not None and isinstance(other.get("content"), str):
                 other["content"] = trim(other["content"]) or None
-            for call in (other.get("tool_calls") or []) if separators else []:
+            for call in other.get("tool_calls") or []:
                 fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                if separators and isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                     fn["arguments"] = _reserialised(fn["arguments"], separators)
             if other not in variants:
                 variants.append(other)
@@ -111,7 +110,7 @@ def common_prefix(sequences: Sequence[Sequence[int]]) -> list[int]:
 
 
 async def prefix_tokens(
-    upstream: Upstream,
+    client: LlamaClient,
     fields: Mapping[str, Any],
     messages: Sequence[Any],
     style: str | None = None,
@@ -124,33 +123,45 @@ async def prefix_tokens(
     variants = echo_variants(reply, style)
     renders = [[*history, variants[0], nxt] for nxt in NEXT_MESSAGES]
     renders += [[*history, echo, NEXT_MESSAGES[0]] for echo in variants[1:]]
-    prompts = await asyncio.gather(*(_render(upstream, fields, m) for m in renders))
+    prompts = await asyncio.gather(*(_render(client, fields, m) for m in renders))
     unique = list(dict.fromkeys(p for p in prompts if p is not None))
     if len(unique) < 2:
         # One rendering (or none) tells nothing about where the next message starts.
         return None
-    token_lists = await asyncio.gather(*(_tokenize(upstream, p) for p in unique))
+    token_lists = await asyncio.gather(*(client.tokenize(p) for p in unique))
     return common_prefix(token_lists) or None
 
 
-async def _render(upstream: Upstream, fields: Mapping[str, Any], messages: list[Any]) -> str | None:
-    body = {**fields, "messages": messages}
+async def _render(
+    client: LlamaClient, fields: Mapping[str, Any], messages: list[Any]
+) -> str | None:
     try:
-        res = await upstream.post_json("/apply-template", body)
+        return await client.apply_template({**fields, "messages": messages})
     except UpstreamError:
         # A template may refuse one of the probe shapes (say, a tool reply where it expects
         # none); the other probes still bound the prefix.
         return None
-    prompt = res.get("prompt") if isinstance(res, dict) else None
-    return prompt if isinstance(prompt, str) else None
 
 
-async def _tokenize(upstream: Upstream, prompt: str) -> list[int]:
-    # add_special: the server tokenises chat prompts with it (BOS); without it nothing matches.
-    res = await upstream.post_json(
-        "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
-    )
-    tokens = res.get("tokens") if isinstance(res, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise ValueError(f"/tokenize answered {orjson.dumps(res)[:200]!r}")
-    return tokens
+class EchoStyles:
+    """How each namespace's client echoes replies, learnt from its next turn (observe_echo):
+    once known, the canonical prefix renders that style only and takes in the whole reply."""
+
+    def __init__(self) -> None:
+        self._styles: dict[str, str] = {}
+
+    def get(self, namespace: str) -> str | None:
+        return self._styles.get(namespace)
+
+    def known(self, namespace: str) -> bool:
+        return namespace in self._styles
+
+    def learn(self, namespace: str, ours: Sequence[Any], theirs: Sequence[Any]) -> None:
+        """`ours`: the conversation as kvproxy recorded it (the reply last); `theirs`: the
+        request that continues it, whose message at the reply's index is the echo."""
+        n = len(ours)
+        if n == 0 or len(theirs) < n:
+            return
+        style = observe_echo(ours[-1], theirs[n - 1])
+        if style is not None:
+            self._styles[namespace] = style

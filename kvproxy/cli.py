@@ -11,15 +11,13 @@ import importlib
 import logging
 import signal
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from .config import Settings
+from .flags import add_settings_flags, load_settings
 from .managed import ManagedServer, ServerError, find_server_binary, free_port, resolve_model
 from .managed import server_command as build_server_command
 from .modelinfo import read_model_info
@@ -33,36 +31,6 @@ SUBCOMMANDS = ("kvproxy.doctor", "kvproxy.inventory", "kvproxy.bench.command")
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"
-
-
-def _is_bool(annotation: Any) -> bool:
-    if annotation is bool:
-        return True
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return bool in typing.get_args(annotation)
-    return False
-
-
-def _add_settings_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
-    """One flag per Settings field, so flags, env vars and docs never drift apart."""
-    for name, info in Settings.model_fields.items():
-        if name == "server_args" or (only is not None and name not in only):
-            continue
-        flag = "--" + name.replace("_", "-")
-        env = f"KVPROXY_{name.upper()}"
-        help_text = f"{info.description} [env {env}]"
-        if _is_bool(info.annotation):
-            parser.add_argument(
-                flag,
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
-            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,33 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
             "(--model PATH or --model default). Flags after `--` go to llama-server."
         ),
     )
-    _add_settings_flags(serve)
+    add_settings_flags(serve)
     serve.set_defaults(func=None)
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
     return parser
-
-
-add_settings_flags = _add_settings_flags
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from the Settings-field flags present in `args` (plus env vars)."""
-    cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return load_settings(cli)
-
-
-def load_settings(cli: dict[str, Any]) -> Settings:
-    """Flags win over env vars; an invalid value is one clear line, not a traceback."""
-    try:
-        return Settings(**cli)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            field = str(err["loc"][0]) if err["loc"] else "?"
-            where = f"--{field.replace('_', '-')} / KVPROXY_{field.upper()}"
-            problems.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-        raise SystemExit(f"kvproxy: invalid setting: {'; '.join(problems)}") from None
 
 
 def setup_logging(level: str, json_lines: bool = False) -> None:
@@ -196,7 +142,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    waiters = [asyncio.create_task(stop.wait())]
+    waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
     if server is not None:
         waiters.append(asyncio.create_task(server.wait()))
     _done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

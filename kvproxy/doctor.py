@@ -23,6 +23,8 @@ from typing import Any, Literal
 import orjson
 
 from .config import Settings
+from .flags import add_settings_flags, settings_from_args
+from .llama import LlamaClient, SlotInfo
 from .modelinfo import ModelInfo, read_model_info
 from .upstream import Upstream, UpstreamError
 
@@ -48,10 +50,11 @@ class Doctor:
     def __init__(self, settings: Settings, upstream: Upstream, quick: bool) -> None:
         self.settings = settings
         self.upstream = upstream
+        self.llama = LlamaClient(upstream)
         self.quick = quick
         self.checks: list[Check] = []
         self.props: dict[str, Any] = {}
-        self.slots: list[dict[str, Any]] = []
+        self.slots: list[SlotInfo] = []
         self.model: ModelInfo | None = None
         self.cache_dir = Path(settings.cache_dir)
 
@@ -79,7 +82,7 @@ class Doctor:
     async def check_health(self) -> None:
         url = self.upstream.base_url
         try:
-            await self.upstream.get_json("/health", timeout=10)
+            await self.llama.health()
         except UpstreamError as exc:
             if exc.status == 503:
                 self.add("server", "fail", f"{url} is still loading its model", "wait, then rerun")
@@ -95,7 +98,7 @@ class Doctor:
 
     async def check_auth(self) -> None:
         try:
-            self.props = await self.upstream.get_json("/props")
+            self.props = await self.llama.props()
         except UpstreamError as exc:
             if exc.status == 401:
                 if self.upstream.api_key:
@@ -147,13 +150,13 @@ class Doctor:
 
     async def check_slots(self) -> None:
         try:
-            self.slots = await self.upstream.get_json("/slots")
+            self.slots = await self.llama.slots()
         except UpstreamError as exc:
             fix = "start llama-server with --slots" if exc.status == 501 else ""
             self.add("slots", "fail", f"GET /slots failed: {exc}", fix)
             raise Stop from None
         n = len(self.slots)
-        n_ctx = self.slots[0].get("n_ctx") if self.slots else None
+        n_ctx = self.slots[0].n_ctx if self.slots else None
         if n == 1:
             self.add(
                 "slots",
@@ -191,9 +194,7 @@ class Doctor:
             return
         name = f"{secrets.token_hex(16)}.doctor.tmp"
         try:
-            res = await self.upstream.post_json(
-                f"/slots/{slot}?action=save", {"filename": name}, timeout=60
-            )
+            saved = await self.llama.save(slot, name, timeout=60)
         except UpstreamError as exc:
             if exc.status == 501:
                 self.add(
@@ -220,11 +221,11 @@ class Doctor:
         self.add(
             "slot save path",
             "ok",
-            f"a probe save landed in {self.cache_dir} ({res.get('n_written', '?')} bytes)",
+            f"a probe save landed in {self.cache_dir} ({saved.n_written} bytes)",
         )
 
     async def check_idle_wipe(self) -> None:
-        idle = [s["id"] for s in self.slots if not s.get("is_processing")]
+        idle = [s.id for s in self.slots if not s.is_processing]
         if len(self.slots) < 2:
             self.add("idle slots kept", "ok", "one slot: nothing else can wipe it")
             return
@@ -233,12 +234,11 @@ class Doctor:
             return
         keep, work = idle[0], idle[1]
         tokens = await self._tokens(FILLER * 2)
-        await self._evaluate(tokens, keep)
-        await self._evaluate(tokens[: len(tokens) // 2], work)
-        slots = await self.upstream.get_json("/slots")
-        kept = next((s.get("n_prompt_tokens") for s in slots if s.get("id") == keep), None)
-        await self._erase(keep)
-        await self._erase(work)
+        await self.llama.evaluate(keep, tokens)
+        await self.llama.evaluate(work, tokens[: len(tokens) // 2])
+        kept = (await self.llama.slot(keep)).n_prompt_tokens
+        await self.llama.erase(keep)
+        await self.llama.erase(work)
         if not kept:
             self.add(
                 "idle slots kept",
@@ -255,7 +255,7 @@ class Doctor:
         if slot is None:
             self.add("restore reuse", "warn", "every slot is busy: not probed")
             return
-        n_ctx = int(self.slots[0].get("n_ctx") or 4096)
+        n_ctx = self.slots[0].n_ctx or 4096
         # Past the sliding window, where SWA models lose what a restore brought back.
         target = min((self.model.n_swa if self.model else 0) + 128, n_ctx // 2)
         filler = await self._tokens(FILLER)
@@ -263,20 +263,16 @@ class Doctor:
         longer = [*prompt, *(await self._tokens(EXTENSION, special=False))]
         name = f"{secrets.token_hex(16)}.doctor.tmp"
         try:
-            await self._evaluate(prompt, slot)
-            await self.upstream.post_json(
-                f"/slots/{slot}?action=save", {"filename": name}, timeout=120
-            )
-            await self._erase(slot)
-            await self.upstream.post_json(
-                f"/slots/{slot}?action=restore", {"filename": name}, timeout=120
-            )
-            res = await self._evaluate(longer, slot)
+            await self.llama.evaluate(slot, prompt)
+            await self.llama.save(slot, name, timeout=120)
+            await self.llama.erase(slot)
+            await self.llama.restore(slot, name, timeout=120)
+            timings = await self.llama.evaluate(slot, longer)
         finally:
             await asyncio.to_thread(_unlink, self.cache_dir / name)
             with contextlib.suppress(UpstreamError):
-                await self._erase(slot)
-        cache_n = int((res.get("timings") or {}).get("cache_n", 0))
+                await self.llama.erase(slot)
+        cache_n = int(timings.get("cache_n", 0))
         if cache_n >= len(prompt) // 2:
             self.add(
                 "restore reuse",
@@ -304,24 +300,10 @@ class Doctor:
     # --- helpers
 
     def _idle_slot(self) -> int | None:
-        for s in self.slots:
-            if not s.get("is_processing"):
-                return int(s["id"])
-        return None
+        return next((s.id for s in self.slots if not s.is_processing), None)
 
     async def _tokens(self, text: str, special: bool = True) -> list[int]:
-        res = await self.upstream.post_json("/tokenize", {"content": text, "add_special": special})
-        return [int(t) for t in res["tokens"]]
-
-    async def _evaluate(self, tokens: list[int], slot: int) -> dict[str, Any]:
-        res: dict[str, Any] = await self.upstream.post_json(
-            "/completion",
-            {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True},
-        )
-        return res
-
-    async def _erase(self, slot: int) -> None:
-        await self.upstream.post_json(f"/slots/{slot}?action=erase", {})
+        return await self.llama.tokenize(text, add_special=special)
 
 
 def _cache_dir_problem(path: Path) -> tuple[Status, str, str] | None:
@@ -371,8 +353,6 @@ async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .cli import add_settings_flags
-
     parser = sub.add_parser(
         "doctor",
         help="check a running llama-server and the cache dir for what kvproxy needs",
@@ -386,8 +366,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import settings_from_args
-
     settings = settings_from_args(args)
     checks = asyncio.run(diagnose(settings, quick=args.quick))
     if args.json:

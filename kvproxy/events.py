@@ -6,8 +6,22 @@ must not raise (an exception is logged and dropped so a listener bug never fails
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
+
+from .policy import Decision
+
+log = logging.getLogger("kvproxy.events")
+
+
+class Count(StrEnum):
+    """Things the cache counts that are not a request or a slot action."""
+
+    EVICTION = "eviction"  # an entry evicted (TTL or byte budget)
+    SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
+    WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
 
 
 @dataclass
@@ -26,7 +40,7 @@ class RequestEvent:
     """One request through the proxy, after its reply was relayed."""
 
     route: str
-    decision: str  # resident | restored | miss | bypass
+    decision: Decision
     status: int
     key: str = ""  # conversation key (hex), "" when the request was not keyed
     slot: int | None = None
@@ -55,3 +69,33 @@ class Listener(Protocol):
     def on_request(self, event: RequestEvent) -> None: ...
 
     def on_slot_action(self, event: SlotActionEvent) -> None: ...
+
+    def on_count(self, what: Count, n: int) -> None: ...
+
+
+@dataclass
+class Events:
+    """Where the cache's parts report; metrics and the request log listen."""
+
+    listeners: list[Listener] = field(default_factory=list)
+
+    def request(self, event: RequestEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_request(event)
+            except Exception:
+                log.exception("request listener %r failed", listener)
+
+    def slot_action(self, event: SlotActionEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_slot_action(event)
+            except Exception:
+                log.exception("slot-action listener %r failed", listener)
+
+    def count(self, what: Count, n: int = 1) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_count(what, n)
+            except Exception:
+                log.exception("count listener %r failed", listener)

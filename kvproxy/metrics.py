@@ -1,28 +1,28 @@
 """Prometheus metrics (`GET /metrics`) and the same numbers as JSON (`GET /kvproxy/stats`).
 
-Counters and histograms are fed by the cache's events (a listener); gauges (entries and
-bytes on disk, queue depth, slots) and the counters only the cache keeps (evictions,
-ineffective restores) are read when scraped. Each proxy has its own registry: nothing global.
-The JSON stats are computed from the same metric objects, so both always agree.
+The one set of counters kvproxy keeps. Counters and histograms are fed by the cache's events
+(a listener); gauges (entries and bytes on disk, queue depth, slots) are read off the cache
+when scraped. Each proxy has its own registry: nothing global. The JSON stats
+(`/kvproxy/stats`, `kvproxy stats`) are computed from the same metric objects, so both
+always agree.
 """
 
 from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from .events import RequestEvent, SlotActionEvent
+from .events import Count, RequestEvent, SlotActionEvent
+from .policy import Decision
 from .requestlog import prefill_saved_s
-
-if TYPE_CHECKING:
-    from .cache import ConversationCache
+from .slots import SlotPool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-DECISIONS = ("resident", "restored", "miss", "bypass")
+DECISIONS = tuple(d.value for d in Decision)
 ACTIONS = ("save", "restore")
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -31,18 +31,34 @@ ACTION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 BYTE_BUCKETS = tuple(float(1 << s) for s in range(20, 37, 2))  # 1 MiB … 64 GiB, ×4
 
 
+class Gauged(Protocol):
+    """What the scrape reads off the cache."""
+
+    @property
+    def pool(self) -> SlotPool: ...
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def disk_enabled(self) -> bool: ...
+
+    def disk_usage(self) -> tuple[int, int, int]:
+        """(entries, bytes, budget)."""
+        ...
+
+
 class Metrics:
     """A cache listener that keeps Prometheus metrics for one proxy."""
 
-    def __init__(self, cache: ConversationCache, routes: Iterable[str]) -> None:
-        self.cache = cache
+    def __init__(self, routes: Iterable[str]) -> None:
         self.routes = frozenset(routes)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "kvproxy_requests",
-            "Requests by cache decision (resident, restored, miss, bypass), route and status "
-            "class.",
+            "Requests by cache decision (resident, restored, miss, bypass, busy), route and "
+            "status class.",
             ["decision", "route", "status"],
             registry=r,
         )
@@ -123,7 +139,27 @@ class Metrics:
             self.action_bytes.labels(action)
         for source in ("slot", "disk"):
             self.miss_explained.labels(source)
-        r.register(_CacheCollector(cache))
+        self.counts = {
+            Count.EVICTION: Counter(
+                "kvproxy_evictions", "Cache entries evicted (TTL or byte budget).", registry=r
+            ),
+            Count.WASTED_RESTORE: Counter(
+                "kvproxy_ineffective_restores",
+                "Restores llama-server did not reuse (timings.cache_n far below the restored "
+                "tokens): typically a sliding-window model without --swa-full.",
+                registry=r,
+            ),
+            Count.SLOT_RESET: Counter(
+                "kvproxy_slot_resets",
+                "Times a slot was found changed behind kvproxy's back (server restart, idle "
+                "wipe, another client).",
+                registry=r,
+            ),
+        }
+
+    def watch(self, cache: Gauged) -> None:
+        """Read the gauges off `cache` at every scrape."""
+        self.registry.register(_CacheCollector(cache))
 
     # --- the listener
 
@@ -146,6 +182,9 @@ class Metrics:
         if event.miss is not None:
             source = "slot" if event.miss.where.startswith("slot") else "disk"
             self.miss_explained.labels(source).inc()
+
+    def on_count(self, what: Count, n: int) -> None:
+        self.counts[what].inc(n)
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
         self.actions.labels(event.action, "ok" if event.ok else "error").inc()
@@ -194,8 +233,8 @@ class Metrics:
             "restore_failures": actions.get(("restore", "error"), 0),
             "saved_tokens": tokens.get("save", 0),
             "restored_tokens": tokens.get("restore", 0),
-            "saved_bytes": int(histograms["save_bytes"]["sum"]),
-            "restored_bytes": int(histograms["restore_bytes"]["sum"]),
+            "saved_bytes": int(histograms["save_bytes"]["sum"] or 0),
+            "restored_bytes": int(histograms["restore_bytes"]["sum"] or 0),
             "tokens_cached": cached,
             "tokens_prefilled": prefilled,
             # Older names of the two above, kept so existing readers see the same numbers.
@@ -204,6 +243,9 @@ class Metrics:
             "prefill_seconds": _total(self.prefill_seconds),
             "prefill_seconds_saved": _total(self.prefill_saved),
             "miss_explained": int(sum(v for _, v in _values(self.miss_explained, "_total"))),
+            "evictions": int(_total(self.counts[Count.EVICTION])),
+            "ineffective_restores": int(_total(self.counts[Count.WASTED_RESTORE])),
+            "slot_resets_seen": int(_total(self.counts[Count.SLOT_RESET])),
             "histograms": histograms,
         }
 
@@ -211,22 +253,23 @@ class Metrics:
 class _CacheCollector:
     """What is read off the cache at scrape time."""
 
-    def __init__(self, cache: ConversationCache) -> None:
+    def __init__(self, cache: Gauged) -> None:
         self.cache = cache
 
     def collect(self) -> Iterator[Metric]:
         cache = self.cache
-        store, pool, stats = cache.store, cache.pool, cache.stats
-        yield _gauge("kvproxy_cache_entries", "Entries in the cache dir.", len(store.entries))
+        pool = cache.pool
+        entries, used, budget = cache.disk_usage()
+        yield _gauge("kvproxy_cache_entries", "Entries in the cache dir.", entries)
         yield _gauge(
             "kvproxy_cache_bytes",
             "Bytes of the entries in the cache dir (states, sidecars, conversation text).",
-            store.total_bytes,
+            used,
         )
         yield _gauge(
             "kvproxy_cache_budget_bytes",
             "The cache dir's byte budget (--max-disk; 0 = none).",
-            store.max_bytes,
+            budget,
         )
         yield _gauge("kvproxy_queue_depth", "Requests waiting for a slot.", pool.waiting)
         yield _gauge("kvproxy_slots", "llama-server slots.", len(pool.slots))
@@ -250,23 +293,6 @@ class _CacheCollector:
             "kvproxy_disk_cache_enabled",
             "1 while slot save/restore works (llama-server has --slot-save-path).",
             int(cache.disk_enabled),
-        )
-        yield CounterMetricFamily(
-            "kvproxy_evictions",
-            "Cache entries evicted (TTL or byte budget).",
-            value=stats.evictions,
-        )
-        yield CounterMetricFamily(
-            "kvproxy_ineffective_restores",
-            "Restores llama-server did not reuse (timings.cache_n far below the restored "
-            "tokens): typically a sliding-window model without --swa-full.",
-            value=stats.ineffective_restores,
-        )
-        yield CounterMetricFamily(
-            "kvproxy_slot_resets",
-            "Times a slot was found changed behind kvproxy's back (server restart, idle wipe, "
-            "another client).",
-            value=stats.slot_resets_seen,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import posixpath
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -14,10 +15,12 @@ from aiohttp import web
 from .cache import ConversationCache
 from .config import Settings
 from .errors import error_response
+from .events import Events
 from .metrics import CONTENT_TYPE, Metrics
 from .relay import relay
 from .requestlog import RequestLog
 from .upstream import Upstream
+from .wire.chat import ChatAdapter
 
 log = logging.getLogger("kvproxy.proxy")
 
@@ -28,8 +31,6 @@ PINNABLE_PATHS = frozenset(
 )
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
 UNPINNABLE_PATHS = frozenset({"/v1/messages", "/v1/embeddings", "/embeddings", "/embedding"})
-
-SERVICE = web.AppKey("service", "Service")
 
 
 def canonical_path(raw: str) -> str:
@@ -58,13 +59,16 @@ class Service:
     def __init__(self, settings: Settings, upstream_url: str) -> None:
         self.settings = settings
         self.upstream = Upstream(upstream_url, settings.api_key)
-        self.cache = ConversationCache(settings, self.upstream)
-        self.metrics = Metrics(self.cache, CHAT_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS)
-        self.cache.listeners += [self.metrics, RequestLog()]
+        self.events = Events()
+        self.metrics = Metrics(CHAT_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS)
+        self.cache = ConversationCache(settings, self.upstream, self.events)
+        self.metrics.watch(self.cache)
+        self.events.listeners += [self.metrics, RequestLog()]
+        self.chat = ChatAdapter(settings.keep_reasoning)
 
     def stats(self) -> dict[str, Any]:
         """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
-        return {**self.cache.snapshot_stats(), **self.metrics.snapshot()}
+        return {**self.cache.state(), **self.metrics.snapshot()}
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -76,6 +80,8 @@ class Service:
         finally:
             await self.upstream.close()
 
+
+SERVICE = web.AppKey("service", Service)
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
@@ -161,12 +167,14 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         return _too_large(service.settings)
 
     if request.method == "POST":
+        cache = service.cache
         if path in CHAT_PATHS:
-            return await service.cache.handle_chat(request, _path_qs(path, request))
+            path_qs = _path_qs(path, request)
+            return await cache.conversations.handle_keyed(request, path_qs, service.chat)
         if path in PINNABLE_PATHS:
-            return await service.cache.handle_pinned(request, _path_qs(path, request))
+            return await cache.unkeyed.handle_pinned(request, _path_qs(path, request))
         if path in UNPINNABLE_PATHS:
-            return await service.cache.handle_unpinnable(request, _path_qs(path, request))
+            return await cache.unkeyed.handle_unpinnable(request, _path_qs(path, request))
     return await forward(request, service, _path_qs(path, request))
 
 
@@ -192,7 +200,9 @@ def _too_large(settings: Settings) -> web.Response:
 
 
 @web.middleware
-async def guard(request: web.Request, handler: web.RequestHandler) -> web.StreamResponse:
+async def guard(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """Whatever goes wrong inside, the client gets an OpenAI-style error, never a traceback."""
     try:
         return await handler(request)

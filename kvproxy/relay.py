@@ -95,10 +95,10 @@ async def relay(
         up = await upstream_cm.__aenter__()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         log.warning("upstream unreachable for %s %s: %s", request.method, path_qs, exc)
-        resp = error_response(
+        refused = error_response(
             502, f"llama-server is unreachable: {exc or type(exc).__name__}", "upstream_unreachable"
         )
-        return RelayResult(resp, 502, False)
+        return RelayResult(refused, 502, False)
 
     complete = False
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from .events import MissExplanation, RequestEvent, SlotActionEvent
+from .events import Count, MissExplanation, RequestEvent, SlotActionEvent
 from .explain import describe
 
 log = logging.getLogger("kvproxy.request")
@@ -50,7 +50,10 @@ class RequestLog:
             )
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
-        del event  # saves and restores are logged where they happen (cache.py)
+        del event  # saves and restores are logged where they happen (slotwork.py)
+
+    def on_count(self, what: Count, n: int) -> None:
+        del what, n
 
 
 def request_fields(event: RequestEvent) -> dict[str, Any]:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .keys import shared_prefix
+from .llama import SlotInfo
+from .policy import HeldView
 
 
 class QueueFull(Exception):
@@ -54,16 +59,16 @@ class Slot:
     # other idle slot then.
     started_at: float = 0.0
 
-    def shared_depth(self, keys: list[str], namespace: str) -> int:
+    def shared_depth(self, keys: Sequence[str], namespace: str) -> int:
         holding = self.holding
         if holding is None or holding.namespace != namespace:
             return 0
-        depth = 0
-        for mine, theirs in zip(holding.chain, keys, strict=False):
-            if mine != theirs:
-                break
-            depth += 1
-        return depth
+        return shared_prefix(holding.chain, keys)
+
+    def view(self) -> HeldView | None:
+        """What the slot holds, for the policy."""
+        h = self.holding
+        return None if h is None else HeldView(h.namespace, h.chain, h.n_tokens, self.saved)
 
     def forget(self) -> None:
         self.holding = None
@@ -74,6 +79,30 @@ class Slot:
         self.holding = holding
         self.saved = saved
         self.changed_at = time.monotonic()
+
+    def mark_saved(self) -> None:
+        self.saved = True
+
+    def observe(self, info: SlotInfo, count_tokens: bool = False) -> None:
+        """What GET /slots shows now is what our own last use left: later differences mean
+        someone else used or wiped the slot. `count_tokens`: the holding's size is what the
+        server reports (after our own request)."""
+        self.snapshot = info.snapshot
+        self.seen_at = time.monotonic()
+        if count_tokens and self.holding is not None and info.n_prompt_tokens is not None:
+            self.holding.n_tokens = info.n_prompt_tokens
+
+    def restored(self, holding: Holding) -> None:
+        """The slot now holds a restored state, also on disk. A restore leaves the slot's
+        last task as it was; only the token count moves."""
+        prev_task = self.snapshot[0] if self.snapshot else None
+        self.hold(holding, saved=True)
+        self.snapshot = (prev_task, holding.n_tokens if prev_task is not None else None)
+
+    def mark_started(self) -> None:
+        """kvproxy gives the slot a task of its own (a server that wipes idle slots may wipe
+        every other idle slot now)."""
+        self.started_at = time.monotonic()
 
 
 class SlotPool:
@@ -102,6 +131,17 @@ class SlotPool:
 
     def idle(self) -> list[Slot]:
         return [s for s in self.slots if not s.busy]
+
+    def try_take(self, slot: Slot) -> bool:
+        """Take an idle slot without waiting (background work); False when it is busy."""
+        if slot.busy:
+            return False
+        slot.busy = True
+        return True
+
+    def holding_namespace(self, namespace: str) -> list[Slot]:
+        """Slots whose conversation is of `namespace` (so never another tenant's)."""
+        return [s for s in self.slots if s.holding is not None and s.holding.namespace == namespace]
 
     def choose(self, keys: list[str], namespace: str) -> tuple[Slot, int]:
         """An idle slot for a conversation, and how deep it already holds it.
@@ -152,7 +192,7 @@ class SlotPool:
             else:
                 slot, depth = self.choose(keys or [], namespace)
             slot.busy = True
-            slot.started_at = time.monotonic()
+            slot.mark_started()
             return slot, depth
 
     async def acquire_all(self) -> list[Slot]:

@@ -43,6 +43,10 @@ class RunningProxy:
     def cache(self) -> ConversationCache:
         return self.app[SERVICE].cache
 
+    def stats(self) -> dict[str, Any]:
+        """What /kvproxy/stats shows: the cache's state and its counters."""
+        return self.app[SERVICE].stats()
+
     async def stop(self) -> None:
         await self.runner.cleanup()
 

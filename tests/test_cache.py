@@ -56,7 +56,7 @@ def actions(fake: FakeLlamaServer, kind: str) -> list:
 async def settle(proxy: RunningProxy) -> None:
     """Let detached bookkeeping (after each reply) finish."""
     for _ in range(100):
-        if not proxy.cache._background and not any(s.busy for s in proxy.cache.pool.slots):
+        if not len(proxy.cache.background) and not any(s.busy for s in proxy.cache.pool.slots):
             return
         await asyncio.sleep(0.01)
 
@@ -92,7 +92,7 @@ async def test_order_1212_is_all_resident(make: Maker) -> None:
     for c in (1, 2):
         _, _, h = await chat(proxy, then(conv(c), r[c]))
         assert h["X-KVProxy-Cache"] == "resident"
-    assert proxy.cache.stats.saves == 0 and proxy.cache.stats.restores == 0
+    assert proxy.stats()["saves"] == 0 and proxy.stats()["restores"] == 0
     assert fake.actions == []
 
 
@@ -148,7 +148,7 @@ async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> N
     assert status == 200 and h["X-KVProxy-Cache"] == "miss"
     assert body["choices"][0]["message"]["content"] == "Echo: next question"
     assert not kv.exists() and not (kv.parent / f"{entry.key}.idx").exists()
-    assert proxy.cache.stats.restore_failures == 1
+    assert proxy.stats()["restore_failures"] == 1
 
 
 async def test_truncated_state_file_is_never_sent_to_the_server(make: Maker) -> None:
@@ -173,8 +173,8 @@ async def test_checkpoint_sidecars_live_and_die_with_their_entry(make: Maker) ->
     [first] = proxy.cache.store.entries.values()
     sidecar = root / f"{first.key}.kv.ckpt"
     assert sidecar.exists()
-    assert first.bytes == (root / f"{first.key}.kv").stat().st_size + sidecar.stat().st_size
-    budget = int(first.bytes * 2.5)
+    assert first.state_bytes == (root / f"{first.key}.kv").stat().st_size + sidecar.stat().st_size
+    budget = int(first.state_bytes * 2.5)
     proxy.cache.store.max_bytes = budget
     for c in (4, 5, 6, 7):  # more saves than the budget holds: the oldest goes, sidecar too
         await chat(proxy, conv(c))
@@ -251,7 +251,7 @@ async def test_wiped_slot_is_not_trusted(make: Maker) -> None:
     _, body, h = await chat(proxy, then(conv(1), r1))
     assert h["X-KVProxy-Cache"] == "restored"  # not "resident": the slot was checked
     assert body["timings"]["cache_n"] / prompt_tokens(body) > 0.9
-    assert proxy.cache.stats.slot_resets_seen >= 1
+    assert proxy.stats()["slot_resets_seen"] >= 1
 
 
 async def test_cancelled_stream_leaves_no_false_picture(make: Maker) -> None:
@@ -302,7 +302,7 @@ async def test_many_clients_few_slots_no_deferred_actions(make: Maker) -> None:
     assert all(s == 200 for s, _, _ in second)
     assert all(b["choices"][0]["message"]["content"] == "Echo: next question" for _, b, _ in second)
     assert fake.deferred_actions == 0
-    assert proxy.cache.stats.restores > 0
+    assert proxy.stats()["restores"] > 0
 
 
 async def test_tenants_never_share_entries(make: Maker) -> None:
@@ -356,7 +356,7 @@ async def test_ineffective_restores_stop_after_a_few(make: Maker) -> None:
         outcomes.append(h["X-KVProxy-Cache"])
     assert outcomes[:3] == ["restored"] * 3
     assert outcomes[3:] == ["miss"] * 3
-    assert proxy.cache.stats.ineffective_restores == 3
+    assert proxy.stats()["ineffective_restores"] == 3
     assert len([a for a in fake.actions if a[0] == "restore"]) == 3
 
 

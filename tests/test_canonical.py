@@ -128,10 +128,10 @@ async def test_no_canonical_prefix_without_a_template(make: Maker) -> None:
 
 
 def _failing_on(path: str, post_json: Any) -> Any:
-    async def wrapped(p: str, body: Any) -> Any:
+    async def wrapped(p: str, body: Any, *args: Any) -> Any:
         if p == path:
             raise canonical.UpstreamError(f"{path}: 500", status=500)
-        return await post_json(p, body)
+        return await post_json(p, body, *args)
 
     return wrapped
 
@@ -193,7 +193,7 @@ async def test_a_verbatim_client_gets_the_whole_reply_once_seen(make: Maker) -> 
     assert before["prompt_n"] > new_turn_bound() + 40, before
     after = await returning_turn(20)  # seen verbatim (turn 2 of conversation 10 was resident)
     assert after["prompt_n"] <= new_turn_bound(), after
-    assert proxy.cache._echo_styles == {next(iter(proxy.cache._echo_styles)): "verbatim"}
+    assert proxy.cache.echo._styles == {next(iter(proxy.cache.echo._styles)): "verbatim"}
 
 
 def test_observe_echo() -> None:

@@ -201,7 +201,7 @@ def test_text_is_kept_beside_the_state(tmp_path: Path) -> None:
     assert stat.S_IMODE(msgs.stat().st_mode) == 0o600
     assert entry.messages is None  # on disk, not in memory
     assert b"m0" not in (tmp_path / f"{entry.key}.idx").read_bytes()
-    assert store.total_bytes == entry.bytes + msgs.stat().st_size
+    assert store.total_bytes == entry.state_bytes + msgs.stat().st_size
     assert store.read_many_messages(store.recent_with_text(NS)) == [(entry.key, messages)]
     assert store.recent_with_text(keys.namespace("m", {}, "another tenant")) == []
 

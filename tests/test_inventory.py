@@ -181,7 +181,7 @@ def test_gc_applies_ttl_then_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     old = commit(store, "aa" * 16, last_used=now - 7200)
     mid = commit(store, "bb" * 16, last_used=now - 60)
     new = commit(store, "cc" * 16, last_used=now)
-    size = old.bytes + old.msgs_bytes
+    size = old.on_disk
 
     code, out, _ = run(capsys, "gc", "--ttl", "1h", "--dry-run", "--cache-dir", str(tmp_path))
     assert code == 0 and f"would evict {old.key[:12]}" in out
@@ -272,9 +272,9 @@ async def test_a_running_proxy_notices_removals(
         await chat(proxy, conv(c))
     await settle(proxy)
     root = proxy.cache.store.root
-    assert proxy.cache.snapshot_stats()["entries"] == 1
+    assert proxy.stats()["entries"] == 1
     code, _, _ = await asyncio.to_thread(run, capsys, "rm", "--all", "--cache-dir", str(root))
     assert code == 0
-    await proxy.cache._notice_removals()  # what housekeeping does every 15 s
-    stats = proxy.cache.snapshot_stats()
+    await proxy.cache.notice_removals()  # what housekeeping does every 15 s
+    stats = proxy.stats()
     assert stats["entries"] == 0 and stats["disk_bytes"] == 0

@@ -73,8 +73,8 @@ async def test_four_conversations_through_two_slots(
             replies.append(reply)
         print(f"turn-2 reuse through kvproxy: {reuse(replies):.1%}")
         assert reuse(replies) >= 0.97
-        stats = proxy.cache.stats
-        assert stats.restores == 4 and stats.restore_failures == 0
+        stats = proxy.stats()
+        assert stats["restores"] == 4 and stats["restore_failures"] == 0
         # Every conversation that was pushed out of a slot is on disk, committed.
         assert len(list(cache.glob("*.idx"))) == len(list(cache.glob("*.kv"))) >= 4
     finally:
@@ -92,7 +92,7 @@ async def test_resident_conversations_skip_disk(real_server: RealServer) -> None
             assert headers["X-KVProxy-Cache"] == "resident"
             replies.append(reply)
         assert reuse(replies) >= 0.95
-        assert proxy.cache.stats.restores == 0 and proxy.cache.stats.saves == 0
+        assert proxy.stats()["restores"] == 0 and proxy.stats()["saves"] == 0
     finally:
         await proxy.stop()
 
@@ -162,6 +162,6 @@ async def test_secrets_never_cross_conversations(real_server: RealServer) -> Non
             for j, secret in enumerate(secrets):
                 if j != i:
                     assert all(secret not in t for t in texts), (i, j, texts)
-        assert proxy.cache.stats.restores >= 6
+        assert proxy.stats()["restores"] >= 6
     finally:
         await proxy.stop()

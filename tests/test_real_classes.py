@@ -168,14 +168,14 @@ async def test_swa_without_swa_full_stops_restoring(cache_dir: Path) -> None:
             turn2 = trimmed_turn2(first_messages(n), first[n], n)
             reply, headers = await chat(proxy.url, turn2)
             decisions.append(headers["X-KVProxy-Cache"])
-            saves.append(proxy.cache.stats.saves)
+            saves.append(proxy.stats()["saves"])
             if headers["X-KVProxy-Cache"] == "miss":
                 t = reply["timings"]
                 assert t["cache_n"] == 0  # what the direct server does for this prompt
         assert decisions == ["restored"] * 3 + ["miss"] * 2
-        assert proxy.cache.stats.ineffective_restores == 3
-        assert proxy.cache.snapshot_stats()["model_class"] == "swa"
-        assert proxy.cache.stats.restores == 3
+        assert proxy.stats()["ineffective_restores"] == 3
+        assert proxy.stats()["model_class"] == "swa"
+        assert proxy.stats()["restores"] == 3
         assert saves[3] == saves[4] == saves[2]  # nothing saved once restores stopped
     finally:
         await proxy.stop()

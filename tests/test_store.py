@@ -63,7 +63,7 @@ def test_reopen_loads_index_and_sweeps_orphans(tmp_path: Path) -> None:
     again = Store(tmp_path, ttl=3600, max_bytes=0)
     again.open()
     assert list(again.entries) == [entry.key]
-    assert again.entries[entry.key].bytes == 1100  # state + sidecar
+    assert again.entries[entry.key].state_bytes == 1100  # state + sidecar
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(
         [f"{entry.key}.idx", f"{entry.key}.kv", f"{entry.key}.kv.ckpt", "notes.txt"]
@@ -154,7 +154,7 @@ def test_resave_replaces_the_entry(tmp_path: Path) -> None:
     store.open()
     save(store, 2, size=1000, sidecar=True)
     entry = save(store, 2, size=2000)
-    assert store.entries[entry.key].bytes == 2000
+    assert store.entries[entry.key].state_bytes == 2000
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{entry.key}.idx", f"{entry.key}.kv"]
 
 
@@ -220,7 +220,7 @@ async def test_async_calls_keep_index_and_disk_in_step(tmp_path: Path) -> None:
     a, b = await save_async(store, 1), await save_async(store, 2)
     assert store._owner == threading.get_ident()  # the loop's thread
     assert set(store.entries) == on_disk(tmp_path) == {a.key, b.key}
-    assert store.entries[a.key].bytes == 1000
+    assert store.entries[a.key].state_bytes == 1000
     await store.touch_async(a.key)
     assert store.entries[a.key].hits == 1
     assert Entry.from_json((tmp_path / f"{a.key}.idx").read_bytes()).hits == 1

@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvproxy import backend as backendmod
 from kvproxy import cache as cachemod
 from kvproxy import keys
 from kvproxy.proxy import SERVICE
@@ -180,7 +181,7 @@ async def test_index_survives_saves_evictions_removals_and_scrapes(
 ) -> None:
     # Housekeeping (eviction, noticing removed entries) as often as it can run.
     monkeypatch.setattr(cachemod, "HOUSEKEEPING_INTERVAL", 0.01)
-    monkeypatch.setattr(cachemod, "PROPS_CHECK_INTERVAL", 0.01)
+    monkeypatch.setattr(backendmod, "PROPS_CHECK_INTERVAL", 0.01)
     preloaded = preload(cache_root, PRELOADED)
     async with FakeLlamaServer(slot_save_path=cache_root, n_ctx=16384) as fake:
         # Room for the preloaded entries and about one save: nearly every save evicts.
@@ -211,10 +212,10 @@ async def load_and_check(proxy: RunningProxy, root: Path) -> None:
         for path, statuses in zip(SCRAPED, scrapes, strict=True)
     ]
     assert all(scrapes) and not any(bad for _, bad in failed), failed
-    assert proxy.cache.stats.saves >= WORKERS * TURNS // 2
-    assert proxy.cache.stats.evictions >= proxy.cache.stats.saves // 2
+    assert proxy.stats()["saves"] >= WORKERS * TURNS // 2
+    assert proxy.stats()["evictions"] >= proxy.stats()["saves"] // 2
 
-    await proxy.cache._notice_removals()  # what housekeeping does every 15 s
+    await proxy.cache.notice_removals()  # what housekeeping does every 15 s
     names = [p.name for p in root.iterdir()]
     assert set(store.entries) == indexed_on_disk(root)
     assert not set(store.entries) & {preloaded_key(i) for i in range(REMOVED)}

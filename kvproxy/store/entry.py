@@ -20,7 +20,7 @@ class Entry:
     key: str
     namespace: str
     n_tokens: int
-    bytes: int
+    state_bytes: int  # the state file and its sidecars (`bytes` in the record)
     n_messages: int
     created: float
     last_used: float
@@ -31,8 +31,14 @@ class Entry:
     # `<key>.msgs` and drops it from the committed entry: read it back with `read_messages`.
     messages: list[Any] | None = field(default=None, repr=False, compare=False)
 
+    @property
+    def on_disk(self) -> int:
+        """Every byte the entry costs in the cache dir."""
+        return self.state_bytes + self.msgs_bytes
+
     def to_json(self) -> bytes:
-        return orjson.dumps({f: getattr(self, f) for f in _RECORD_FIELDS})
+        record = {_RECORD_NAMES.get(f, f): getattr(self, f) for f in _RECORD_FIELDS}
+        return orjson.dumps(record)
 
     @classmethod
     def from_json(cls, raw: bytes) -> Entry:
@@ -40,7 +46,8 @@ class Entry:
         if not isinstance(data, dict):
             raise ValueError("index record is not an object")
         # Fields a newer kvproxy added are ignored, so a downgrade keeps the cache.
-        entry = cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
+        named = {_FIELD_NAMES.get(k, k): v for k, v in data.items()}
+        entry = cls(**{k: v for k, v in named.items() if k in _RECORD_FIELDS})
         if not is_key(entry.key) or not all(is_key(k) for k in entry.chain):
             raise ValueError("malformed key in index record")
         if entry.chain and entry.chain[-1] != entry.key:
@@ -49,3 +56,6 @@ class Entry:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(Entry) if f.name != "messages")
+# Attribute -> name in the JSON record, where they differ (records written before stay valid).
+_RECORD_NAMES = {"state_bytes": "bytes"}
+_FIELD_NAMES = {v: k for k, v in _RECORD_NAMES.items()}

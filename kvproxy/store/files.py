@@ -199,7 +199,7 @@ class StoreFiles:
             os.replace(src, dst)
         msgs_bytes = self._write_messages(key, entry.messages) if entry.messages else 0
         # The text is on disk now: kept out of memory and out of the index record.
-        committed = replace(entry, bytes=size, msgs_bytes=msgs_bytes, messages=None)
+        committed = replace(entry, state_bytes=size, msgs_bytes=msgs_bytes, messages=None)
         self._write_atomic(self._idx_path(key), key, committed.to_json())
         _fsync_dir(self.root)
         return committed
@@ -274,8 +274,8 @@ class StoreFiles:
         path = self.root / self.state_name(entry.key)
         try:
             size = sum(_regular_size(p) for p in files)
-            if size != entry.bytes:
-                return f"size {size} != recorded {entry.bytes}"
+            if size != entry.state_bytes:
+                return f"size {size} != recorded {entry.state_bytes}"
             with open(path, "rb", opener=_nofollow_opener) as fh:
                 head = fh.read(12)
         except (OSError, ValueError) as exc:

@@ -39,6 +39,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def _same(value: T) -> T:
+    return value
+
+
 class Store:
     """The index of the cache dir, and the operations that keep it and the files in step.
 
@@ -106,7 +110,7 @@ class Store:
     @property
     def total_bytes(self) -> int:
         """Bytes on disk: state files, their sidecars and the conversations' text."""
-        return sum(e.bytes + e.msgs_bytes for e in self.entries.values())
+        return sum(e.on_disk for e in self.entries.values())
 
     def lookup(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
         """The stored entry sharing the longest prefix with `keys`, and that prefix's length."""
@@ -169,7 +173,7 @@ class Store:
                         continue
                     victims.append(entry)
                     self._forget(entry.key)
-                    total -= entry.bytes + entry.msgs_bytes
+                    total -= entry.on_disk
         return victims
 
     def _committed(self, temp: str, old: Entry | None, committed: Entry | None) -> Entry:
@@ -244,8 +248,8 @@ class Store:
         self,
         keys: Iterable[str],
         work: Callable[[], T],
-        then: Callable[[T], R] | None = None,
-    ) -> asyncio.Future[Any]:
+        then: Callable[[T], R] = _same,  # type: ignore[assignment]
+    ) -> asyncio.Future[R]:
         """Run `work()` in a thread once the operations issued earlier on `keys` are done, then
         `then(result)` on the loop. A task of its own that the caller's cancellation does not
         reach: a request whose client hung up neither lets a later operation on these keys
@@ -319,9 +323,8 @@ class Store:
 
 
 async def _after(
-    earlier: set[asyncio.Future[Any]], work: Callable[[], T], then: Callable[[T], R] | None
-) -> T | R:
+    earlier: set[asyncio.Future[Any]], work: Callable[[], T], then: Callable[[T], R]
+) -> R:
     if earlier:
         await asyncio.wait(earlier)
-    result = await asyncio.to_thread(work)
-    return result if then is None else then(result)
+    return then(await asyncio.to_thread(work))

@@ -1,0 +1,102 @@
+"""One llama-server: its client, its slot pool, and the identity of the model it serves.
+
+Discovery asks the server what it is (GET /props) and whether slots can be pinned
+(GET /slots). A server whose model or slot count changed invalidates everything kvproxy
+knew about its slots; one that refuses GET /slots is served uncached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from .config import Settings
+from .llama import LlamaClient
+from .modelinfo import ModelInfo, read_model_info
+from .slots import SlotPool
+from .upstream import Upstream, UpstreamError
+
+log = logging.getLogger("kvproxy.cache")
+
+# How often a running proxy checks that the server is still the one it knows.
+PROPS_CHECK_INTERVAL = 15.0
+# While the server refuses GET /slots (caching off), how often a request may look again.
+REDISCOVER_INTERVAL = 1.0
+
+
+class Backend:
+    def __init__(self, upstream: Upstream, settings: Settings) -> None:
+        self.upstream = upstream
+        self.client = LlamaClient(upstream)
+        self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
+        self.enabled = False  # slot pinning works (GET /slots answered)
+        self.disk_enabled = True  # slot save/restore works (--slot-save-path set)
+        self.model_identity = ""
+        self.model_info: ModelInfo | None = None
+        self._last_props_check = 0.0
+        # When a server that answered /props last refused GET /slots: requests then look again
+        # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
+        self._no_slots_seen = 0.0
+
+    @property
+    def model_class(self) -> str:
+        return self.model_info.model_class if self.model_info else "unknown"
+
+    def props_check_due(self) -> bool:
+        return time.monotonic() - self._last_props_check > PROPS_CHECK_INTERVAL
+
+    async def rediscover_if_off(self) -> None:
+        """Called per request while caching is off: a server that came up is used at once."""
+        if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
+            try:
+                await self.discover()
+            except UpstreamError:
+                pass
+
+    async def discover(self) -> None:
+        props = await self.client.props()
+        identity = await asyncio.to_thread(model_identity, props)
+        try:
+            slots = await self.client.slots()
+        except UpstreamError as exc:
+            if self.enabled or self.model_identity != identity:
+                log.warning("GET /slots failed (%s): caching is off, requests pass through", exc)
+            self._no_slots_seen = time.monotonic()
+            self.enabled = False
+            self.model_identity = identity
+            return
+        if identity != self.model_identity or len(slots) != len(self.pool.slots):
+            if self.model_identity:
+                log.info("llama-server changed (model or slots): forgetting what slots held")
+            self.pool.resize(len(slots))
+            self.pool.forget_all()
+            self.model_identity = identity
+            self.model_info = await asyncio.to_thread(
+                read_model_info, str(props.get("model_path") or "")
+            )
+        if not self.enabled:
+            info = self.model_info
+            log.info(
+                "llama-server has %d slots; model %s (%s%s)",
+                len(slots),
+                props.get("model_path"),
+                self.model_class,
+                ": restores need --swa-full" if info and info.has_swa else "",
+            )
+        self.enabled = True
+        self._last_props_check = time.monotonic()
+
+
+def model_identity(props: dict[str, Any]) -> str:
+    """Which model and KV layout produced a state: states of another never match."""
+    path = str(props.get("model_path", ""))
+    parts = [path, str((props.get("default_generation_settings") or {}).get("n_ctx", ""))]
+    try:
+        st = os.stat(path)
+        parts += [str(st.st_size), str(int(st.st_mtime))]
+    except OSError:
+        pass
+    return "|".join(parts)

@@ -1,0 +1,294 @@
+"""The path one request follows, top to bottom.
+
+A keyed request (`handle_keyed`): the wire adapter turns its body into a Conversation; the
+pool gives it a slot (the one holding its longest prefix, else an idle one); `prepare` gets
+its state into the slot (resident, restored from disk, or cold, saving what the slot held
+first if it would be lost); the body goes out pinned with `id_slot` while the reply is
+captured; afterwards the slot is recorded as holding the conversation plus the reply as the
+client will echo it. Requests the cache cannot key go through unkeyed.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from . import keys
+from .backend import Backend
+from .canonical import EchoStyles
+from .config import Settings
+from .errors import error_response
+from .events import Count, Events, RequestEvent
+from .explain import explain_against
+from .leases import Background, Lease
+from .policy import Decision, Move, RestoreGuard, RestoreVerdict, choose, judge_restore
+from .relay import relay
+from .replies import Reply
+from .slots import Holding, QueueFull, Slot
+from .slotwork import SlotWork
+from .store import Entry, Store
+from .unkeyed import Unkeyed, busy_response
+from .upstream import UpstreamError
+from .wire import Conversation, NotKeyed, WireAdapter
+
+log = logging.getLogger("kvproxy.cache")
+
+# How long what GET /slots showed after our own last use is trusted for a "resident" claim
+# while no other slot got work (see SlotPool.still_as_seen). A wrong claim costs one slower
+# request, never a wrong answer (the server compares tokens); checking costs a round trip on
+# every request. Slot actions always check first.
+SNAPSHOT_TRUST = 1.0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` did for a request, before it was forwarded."""
+
+    decision: Decision
+    restored_tokens: int = 0
+    restore_ms: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        out = {"X-KVProxy-Cache": self.decision.value}
+        if self.decision is Decision.RESTORED:
+            out["X-KVProxy-Restored-Tokens"] = str(self.restored_tokens)
+            out["X-KVProxy-Restore-Ms"] = f"{self.restore_ms:.1f}"
+        return out
+
+
+MISS = Prepared(Decision.MISS)
+
+
+class Conversations:
+    def __init__(
+        self,
+        settings: Settings,
+        backend: Backend,
+        store: Store,
+        work: SlotWork,
+        events: Events,
+        echo: EchoStyles,
+        guard: RestoreGuard,
+        background: Background,
+        unkeyed: Unkeyed,
+    ) -> None:
+        self.unkeyed = unkeyed
+        self.settings = settings
+        self.backend = backend
+        self.pool = backend.pool
+        self.store = store
+        self.work = work
+        self.events = events
+        self.echo = echo
+        self.guard = guard
+        self.background = background
+
+    # --- keyed requests
+
+    async def handle_keyed(
+        self, request: web.Request, path_qs: str, adapter: WireAdapter
+    ) -> web.StreamResponse:
+        started = time.perf_counter()
+        body = await request.read()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_json")
+        await self.backend.rediscover_if_off()
+        if not self.backend.enabled or not isinstance(payload, dict):
+            # Not an object: the server rejects it before it touches a slot.
+            return (await self.unkeyed.relay_bypass(request, path_qs, body)).response
+        tenant = keys.tenant_of(request.headers, self.settings.tenant_header)
+        conv = adapter.read(payload, self.backend.model_identity, tenant)
+        if isinstance(conv, NotKeyed):
+            log.debug("not caching %s: %s", path_qs, conv.reason)
+            return await self.unkeyed.forward_pinned(request, path_qs, payload)
+
+        try:
+            slot, _ = await self.pool.acquire(conv.keys, conv.namespace)
+        except QueueFull as exc:
+            waited = time.perf_counter() - started
+            self.events.request(
+                RequestEvent(
+                    request.path,
+                    Decision.BUSY,
+                    503,
+                    key=conv.keys[-1],
+                    queue_wait_s=waited,
+                    duration_s=waited,
+                )
+            )
+            return busy_response(exc)
+        queue_wait = time.perf_counter() - started
+        lease = Lease(self.pool, [slot], self.background)
+        try:
+            prepared = await lease.guarded(self._prepare_or_miss(slot, conv))
+            capture = adapter.capture(conv)
+            try:
+                result = await relay(
+                    request,
+                    self.backend.upstream,
+                    path_qs,
+                    adapter.pinned(conv.payload, slot.id),
+                    body_replaced=True,
+                    extra_headers=prepared.headers(),
+                    tap=capture.feed,
+                )
+            except BaseException:
+                slot.forget()  # cut off mid-reply: the slot holds something we cannot name
+                raise
+            reply = capture.finish() if result.complete and result.status == 200 else None
+            if prepared.decision is Decision.RESTORED:
+                self._judge_restore(conv.namespace, prepared.restored_tokens, reply)
+            # The client has its whole reply; the bookkeeping goes on without it.
+            lease.hand_off(self._after_reply(slot, conv, reply, adapter))
+            timings = (reply.timings if reply is not None else None) or {}
+            event = RequestEvent(
+                route=request.path,
+                decision=prepared.decision,
+                status=result.status,
+                key=conv.keys[-1],
+                slot=slot.id,
+                queue_wait_s=queue_wait,
+                duration_s=time.perf_counter() - started,
+                restored_tokens=prepared.restored_tokens,
+                restore_ms=prepared.restore_ms,
+                cache_n=_int_or_none(timings.get("cache_n")),
+                prompt_n=_int_or_none(timings.get("prompt_n")),
+                prompt_ms=_float_or_none(timings.get("prompt_ms")),
+            )
+            if prepared.decision is Decision.MISS:
+                # Explaining may read stored conversations (in a thread); the client may hang
+                # up meanwhile, cancelling this handler, so it runs detached.
+                self.background.spawn(self._emit_explained(event, conv, self._resident_texts(conv)))
+            else:
+                self.events.request(event)
+            return result.response
+        finally:
+            lease.release()
+
+    async def _prepare_or_miss(self, slot: Slot, conv: Conversation) -> Prepared:
+        try:
+            return await self.prepare(slot, conv)
+        except UpstreamError as exc:
+            # The cache could not do its part; the request still goes through, uncached.
+            log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
+            slot.forget()
+            return MISS
+
+    async def prepare(self, slot: Slot, conv: Conversation) -> Prepared:
+        """Get the conversation's state into the slot, as far as kvproxy can."""
+        if slot.holding is not None and slot.shared_depth(conv.keys, conv.namespace) >= len(
+            slot.holding.messages
+        ):
+            self.echo.learn(conv.namespace, slot.holding.messages, conv.messages)
+        if slot.holding is not None and not self.pool.still_as_seen(slot, SNAPSHOT_TRUST):
+            await self.work.verify(slot)
+        resident = slot.shared_depth(conv.keys, conv.namespace)
+        found = await self._lookup(conv) if self.backend.disk_enabled else None
+        move = choose(resident, found[1] if found else None, self.guard.allows(conv.namespace))
+        if move is Move.RESTORE:
+            assert found is not None
+            entry = found[0]
+            await self.work.verify(slot)  # a slot action follows: the slot must be idle
+            if self.work.worth_saving(slot, conv.keys):
+                await self.work.save(slot)
+            outcome = await self.work.restore(slot, entry)
+            if outcome is None:
+                return MISS
+            if not self.echo.known(conv.namespace):
+                self.background.spawn(self._learn_echo_from_disk(entry, conv))
+            return Prepared(Decision.RESTORED, outcome.n_restored, outcome.ms)
+        if move is Move.USE_RESIDENT:
+            return Prepared(Decision.RESIDENT)
+        if self.work.worth_saving(slot, conv.keys):
+            await self.work.verify(slot)
+            if self.work.worth_saving(slot, conv.keys):
+                await self.work.save(slot)
+        return MISS
+
+    async def _lookup(self, conv: Conversation) -> tuple[Entry, int] | None:
+        found = self.store.lookup(conv.keys, conv.namespace)
+        # Housekeeping applies the TTL every second; an entry that expired since then is
+        # not restored either (a full eviction pass costs O(entries) per request).
+        if found is not None and self.store.expired(found[0]):
+            await self.work.evict()
+            found = self.store.lookup(conv.keys, conv.namespace)
+        return found
+
+    async def _learn_echo_from_disk(self, entry: Entry, conv: Conversation) -> None:
+        messages = await asyncio.to_thread(self.store.read_messages, entry.key)
+        n = len(messages or [])
+        if messages and len(conv.keys) >= n and conv.keys[n - 1] == entry.key:
+            self.echo.learn(conv.namespace, messages, conv.messages)
+
+    def _judge_restore(self, namespace: str, n_restored: int, reply: Reply | None) -> None:
+        timings = (reply.timings if reply is not None else None) or {}
+        cache_n = _int_or_none(timings.get("cache_n"))
+        prompt_n = _int_or_none(timings.get("prompt_n"))
+        verdict = judge_restore(n_restored, cache_n, prompt_n)
+        if verdict is RestoreVerdict.WASTED:
+            self.events.count(Count.WASTED_RESTORE)
+        if self.guard.record(namespace, verdict):
+            log.warning(
+                "llama-server reused none of %d restored tokens (cache_n=%s), %d times in a "
+                "row: kvproxy stops restoring for this model. Sliding-window models (Gemma, "
+                "gpt-oss) need llama-server --swa-full; recurrent and hybrid models reuse a "
+                "restore only when the next prompt extends it exactly.",
+                n_restored,
+                cache_n,
+                self.guard.limit,
+            )
+
+    async def _after_reply(
+        self, slot: Slot, conv: Conversation, reply: Reply | None, adapter: WireAdapter
+    ) -> None:
+        if reply is not None and reply.complete:
+            echoed = adapter.echoed(reply)
+            chain = [*conv.keys, keys.extend(conv.keys[-1], echoed)]
+            timings = reply.timings or {}
+            n_tokens = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
+            messages = [*conv.messages, echoed]
+            slot.hold(
+                Holding(conv.namespace, chain, n_tokens, len(messages), messages, conv.template),
+                saved=False,
+            )
+        else:
+            slot.forget()
+        try:
+            await self.work.snapshot(slot)
+            if self.settings.write_through and self.work.worth_saving(slot):
+                await self.work.save(slot)
+        except Exception as exc:  # runs detached: nobody else would see it
+            log.warning("after the reply on slot %d: %s", slot.id, exc)
+            slot.forget()
+
+    # --- misses explained
+
+    def _resident_texts(self, conv: Conversation) -> list[tuple[str, list[Any]]]:
+        """Taken before the reply's bookkeeping replaces what the request's slot held."""
+        return [
+            (f"slot {slot.id}", slot.holding.messages)
+            for slot in self.pool.holding_namespace(conv.namespace)
+            if slot.holding is not None and slot.holding.messages
+        ]
+
+    async def _emit_explained(
+        self, event: RequestEvent, conv: Conversation, candidates: list[tuple[str, list[Any]]]
+    ) -> None:
+        event.miss = await explain_against(conv.namespace, conv.messages, candidates, self.store)
+        self.events.request(event)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) else None
+
+
+def _float_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None

@@ -1,0 +1,123 @@
+"""The cache's decisions, on plain data: no I/O, no clock, no server.
+
+For each keyed request: use what the slot holds, restore a longer prefix from disk, or start
+cold (`choose`); whether what a slot holds is worth a save before it is lost
+(`worth_saving`); whether a restore was reused by the server (`judge_restore`), and when
+restoring stops paying for a namespace (`RestoreGuard`). The orchestration in
+conversations.py asks; slotwork.py does the I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+
+from .keys import shared_prefix
+
+# Restores the server did not reuse, in a row, before kvproxy stops restoring a namespace.
+INEFFECTIVE_LIMIT = 3
+
+
+class Decision(StrEnum):
+    """What the cache did for a request: its X-KVProxy-Cache header and metrics label."""
+
+    RESIDENT = "resident"  # the slot already held the start of the conversation
+    RESTORED = "restored"  # the state came back from disk
+    MISS = "miss"  # nothing known matched: prefilled from scratch
+    BYPASS = "bypass"  # not keyed (no messages, n > 1, other routes)
+    BUSY = "busy"  # refused: every slot busy and the queue full
+
+
+class Move(Enum):
+    USE_RESIDENT = "use-resident"
+    RESTORE = "restore"
+    START_COLD = "start-cold"
+
+
+@dataclass(frozen=True)
+class HeldView:
+    """What a slot holds, as far as the decisions care."""
+
+    namespace: str
+    chain: Sequence[str]
+    n_tokens: int
+    saved: bool  # also on disk (or not worth keeping)
+
+
+def choose(resident_depth: int, stored_depth: int | None, restores_allowed: bool) -> Move:
+    """Restore only what the slot does not already hold more of: a resident prefix costs no
+    I/O, and a restore replaces the slot's whole content."""
+    if stored_depth is not None and stored_depth > resident_depth and restores_allowed:
+        return Move.RESTORE
+    if resident_depth > 0:
+        return Move.USE_RESIDENT
+    return Move.START_COLD
+
+
+def worth_saving(
+    held: HeldView | None,
+    *,
+    disk_enabled: bool,
+    restores_allowed: bool,
+    min_tokens: int,
+    incoming: Sequence[str] | None = None,
+) -> bool:
+    """Would the slot's content be lost, and is it worth keeping?
+
+    Not when the incoming request continues it (the slot will hold a longer version), nor
+    when only the last message differs (a regenerated reply), nor for a namespace whose
+    restores are never reused (it would never be restored).
+    """
+    if held is None or held.saved or not disk_enabled or not restores_allowed:
+        return False
+    if held.n_tokens < min_tokens:
+        return False
+    return incoming is None or shared_prefix(held.chain, incoming) < len(held.chain) - 1
+
+
+class RestoreVerdict(Enum):
+    REUSED = "reused"
+    WASTED = "wasted"
+    UNKNOWN = "unknown"  # the reply had no timings
+
+
+def judge_restore(n_restored: int, cache_n: int | None, prompt_n: int | None) -> RestoreVerdict:
+    """Did the server reuse what was restored? Some model/flag combinations never do
+    (sliding-window models without --swa-full). At most the prompt less its last token can
+    be reused; half of what could have been counts as reuse."""
+    if cache_n is None:
+        return RestoreVerdict.UNKNOWN
+    expected = min(n_restored, cache_n + (prompt_n or 0) - 1)
+    return RestoreVerdict.REUSED if cache_n >= expected // 2 else RestoreVerdict.WASTED
+
+
+@dataclass
+class RestoreGuard:
+    """Stops restores (and saves) for a namespace after `limit` wasted restores in a row:
+    then they only cost I/O."""
+
+    limit: int = INEFFECTIVE_LIMIT
+    _streak: dict[str, int] = field(default_factory=dict)
+    _off: set[str] = field(default_factory=set)
+
+    def allows(self, namespace: str) -> bool:
+        return namespace not in self._off
+
+    def record(self, namespace: str, verdict: RestoreVerdict) -> bool:
+        """True when this verdict turned restores off for the namespace."""
+        if verdict is RestoreVerdict.UNKNOWN:
+            return False
+        if verdict is RestoreVerdict.REUSED:
+            self._streak[namespace] = 0
+            return False
+        streak = self._streak.get(namespace, 0) + 1
+        self._streak[namespace] = streak
+        if streak >= self.limit and namespace not in self._off:
+            self._off.add(namespace)
+            return True
+        return False
+
+
+def due_for_idle_save(idle_for: float, idle_save_after: float, worth: bool) -> bool:
+    return worth and idle_for >= idle_save_after

@@ -1,0 +1,248 @@
+"""The I/O a slot goes through: verify it, save it (canonical prefix first), restore into it.
+
+Every method here needs the slot to be ours (taken from the pool, so nothing else touches
+it): the server defers slot actions sent to a busy slot, and a deferred action can hang
+later completions. What the slot holds changes only through slots.py's methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from . import canonical
+from .backend import Backend
+from .canonical import EchoStyles
+from .config import Settings
+from .events import Count, Events, SlotActionEvent
+from .leases import Background
+from .llama import Restored
+from .policy import RestoreGuard, worth_saving
+from .slots import Holding, Slot
+from .store import Entry, Store
+from .upstream import UpstreamError
+
+log = logging.getLogger("kvproxy.cache")
+
+# How long a slot kvproxy is about to act on may stay busy with work it did not send (a
+# cancelled request winding down) before kvproxy gives up on it.
+BUSY_WAIT_LIMIT = 120.0
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    n_restored: int
+    ms: float
+
+
+class SlotWork:
+    def __init__(
+        self,
+        backend: Backend,
+        store: Store,
+        settings: Settings,
+        events: Events,
+        echo: EchoStyles,
+        guard: RestoreGuard,
+        background: Background,
+    ) -> None:
+        self.backend = backend
+        self.client = backend.client
+        self.store = store
+        self.settings = settings
+        self.events = events
+        self.echo = echo
+        self.guard = guard
+        self.background = background
+        self._disk_error_logged = False
+
+    def worth_saving(self, slot: Slot, incoming: list[str] | None = None) -> bool:
+        """Would the slot's content be lost, and is it worth a file? (policy.worth_saving)"""
+        held = slot.view()
+        return worth_saving(
+            held,
+            disk_enabled=self.backend.disk_enabled,
+            restores_allowed=held is None or self.guard.allows(held.namespace),
+            min_tokens=self.settings.min_tokens,
+            incoming=incoming,
+        )
+
+    # --- knowing what the slot holds
+
+    async def verify(self, slot: Slot) -> None:
+        """Trust the slot only if the server still shows what our last use left there."""
+        deadline = time.monotonic() + BUSY_WAIT_LIMIT
+        while True:
+            info = await self.client.slot(slot.id)
+            if not info.is_processing:
+                break
+            # A cancelled request may still be winding down; a slot action now would be
+            # deferred by the server, which can hang later requests.
+            if time.monotonic() > deadline:
+                raise UpstreamError(f"slot {slot.id} stays busy with work kvproxy did not send")
+            await asyncio.sleep(0.02)
+        if slot.holding is not None and info.snapshot != slot.snapshot:
+            log.info(
+                "slot %d changed behind kvproxy's back (%s -> %s): forgetting %s",
+                slot.id,
+                slot.snapshot,
+                info.snapshot,
+                slot.holding.key[:12],
+            )
+            self.events.count(Count.SLOT_RESET)
+            slot.forget()
+        slot.observe(info)
+
+    async def snapshot(self, slot: Slot) -> None:
+        """After our own use: remember what the server shows, and the holding's true size."""
+        slot.observe(await self.client.slot(slot.id), count_tokens=True)
+
+    # --- saving
+
+    async def save(self, slot: Slot) -> bool:
+        """Save what the slot holds under its key. The slot must be ours and verified."""
+        if slot.holding is not None and not slot.holding.canonical and slot.holding.messages:
+            await self._make_canonical(slot)
+        holding = slot.holding
+        if holding is None:
+            return False
+        temp = self.store.temp_name(holding.key)
+        started = time.perf_counter()
+        try:
+            saved = await self.client.save(slot.id, temp)
+            now = time.time()
+            entry = Entry(
+                key=holding.key,
+                namespace=holding.namespace,
+                n_tokens=saved.n_saved,
+                state_bytes=0,
+                n_messages=holding.n_messages,
+                created=now,
+                last_used=now,
+                chain=list(holding.chain),
+                messages=list(holding.messages),
+            )
+            entry = await self.store.commit_async(entry, temp)
+        except UpstreamError as exc:
+            await self._save_failed(started, temp)
+            if exc.status == 501:
+                self.backend.disk_enabled = False
+                log.warning(
+                    "llama-server has no --slot-save-path: disk cache off (start it with "
+                    "--slot-save-path %s)",
+                    self.settings.cache_dir,
+                )
+            else:
+                self._disk_error(f"save of slot {slot.id} failed: {exc}")
+            return False
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            await self._save_failed(started, temp)
+            self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
+            return False
+        seconds = time.perf_counter() - started
+        slot.mark_saved()
+        self.events.slot_action(
+            SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds)
+        )
+        self._disk_error_logged = False
+        log.info(
+            "saved slot %d: %s, %d tokens, %d bytes in %.1f ms",
+            slot.id,
+            holding.key[:12],
+            saved.n_saved,
+            entry.state_bytes,
+            seconds * 1000,
+        )
+        await self.evict()
+        return True
+
+    async def _save_failed(self, started: float, temp: str) -> None:
+        seconds = time.perf_counter() - started
+        self.events.slot_action(SlotActionEvent("save", False, seconds=seconds))
+        await asyncio.to_thread(self.store.discard_temp, temp)
+
+    async def _make_canonical(self, slot: Slot) -> None:
+        """Make the slot hold exactly the prefix the conversation's next request starts with
+        (see canonical.py), so the saved state is reused on every model class. Best effort:
+        when it cannot be done the slot is saved as it is."""
+        holding = slot.holding
+        assert holding is not None
+        started = time.perf_counter()
+        try:
+            tokens = await canonical.prefix_tokens(
+                self.client, holding.template, holding.messages, self.echo.get(holding.namespace)
+            )
+        except (UpstreamError, ValueError) as exc:
+            log.debug("no canonical prefix for %s: %s", holding.key[:12], exc)
+            return
+        if not tokens:
+            return
+        slot.mark_started()
+        try:
+            timings = await self.client.evaluate(slot.id, tokens)
+        except UpstreamError as exc:
+            log.warning("evaluating the canonical prefix on slot %d failed: %s", slot.id, exc)
+            await self.verify(slot)  # forgets the holding if the slot changed after all
+            return
+        await self.snapshot(slot)
+        holding.canonical = True
+        log.debug(
+            "slot %d: canonical prefix of %s is %d tokens (%s evaluated) in %.0f ms",
+            slot.id,
+            holding.key[:12],
+            len(tokens),
+            timings.get("prompt_n", "?"),
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def _disk_error(self, message: str) -> None:
+        if not self._disk_error_logged:
+            log.error("%s (further disk errors logged at debug level)", message)
+            self._disk_error_logged = True
+        else:
+            log.debug(message)
+
+    # --- restoring
+
+    async def restore(self, slot: Slot, entry: Entry) -> RestoreOutcome | None:
+        """Load `entry` into the slot; on failure the entry is dropped and None returned."""
+        self.store.pin(entry.key)
+        try:
+            problem = await asyncio.to_thread(self.store.check_state_file, entry)
+            if problem is not None:
+                log.warning("dropping cache entry %s: %s", entry.key[:12], problem)
+                await self.store.remove_async(entry)
+                return None
+            started = time.perf_counter()
+            try:
+                restored: Restored = await self.client.restore(
+                    slot.id, self.store.state_name(entry.key)
+                )
+            except UpstreamError as exc:
+                slot.forget()  # a failed restore erases the slot on the server
+                seconds = time.perf_counter() - started
+                self.events.slot_action(SlotActionEvent("restore", False, seconds=seconds))
+                if exc.status == 400:
+                    log.warning("restore of %s failed, dropping it: %s", entry.key[:12], exc)
+                    await self.store.remove_async(entry)
+                    return None
+                raise
+            seconds = time.perf_counter() - started
+            n = restored.n_restored
+            slot.restored(Holding(entry.namespace, list(entry.chain), n, entry.n_messages))
+            self.events.slot_action(SlotActionEvent("restore", True, n, entry.state_bytes, seconds))
+            self.background.spawn(self.store.touch_async(entry.key))
+            return RestoreOutcome(n, seconds * 1000)
+        finally:
+            self.store.unpin(entry.key)
+
+    # --- the budget
+
+    async def evict(self) -> None:
+        victims = self.store.select_victims()
+        if victims:
+            self.events.count(Count.EVICTION, len(victims))
+            log.info("evicting %d cache entries", len(victims))
+            await self.store.delete_files_async(victims)

@@ -1,0 +1,135 @@
+"""Requests the cache does not key, forwarded so that kvproxy's picture of the slots stays
+true: a slot-using request goes to a slot kvproxy chose (pinned with `id_slot`) and that slot
+is forgotten afterwards; on routes that ignore `id_slot` the request holds every slot. Either
+way, what a slot held is saved first if it would be lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .backend import Backend
+from .errors import error_response
+from .events import Events, RequestEvent
+from .leases import Background, Lease
+from .policy import Decision
+from .relay import RelayResult, relay
+from .slots import QueueFull, Slot
+from .slotwork import SlotWork
+from .upstream import UpstreamError
+
+log = logging.getLogger("kvproxy.cache")
+
+
+class Unkeyed:
+    def __init__(
+        self,
+        backend: Backend,
+        work: SlotWork,
+        events: Events,
+        background: Background,
+    ) -> None:
+        self.backend = backend
+        self.pool = backend.pool
+        self.work = work
+        self.events = events
+        self.background = background
+
+    async def handle_pinned(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            payload = None
+        if not self.backend.enabled or not isinstance(payload, dict):
+            return (await self.relay_bypass(request, path_qs, body)).response
+        return await self.forward_pinned(request, path_qs, payload)
+
+    async def forward_pinned(
+        self, request: web.Request, path_qs: str, payload: dict[str, Any]
+    ) -> web.StreamResponse:
+        """A slot-using request the cache does not key: pinned, so no slot changes behind us."""
+        try:
+            slot, _ = await self.pool.acquire()
+        except QueueFull as exc:
+            return busy_response(exc)
+        lease = Lease(self.pool, [slot], self.background)
+        try:
+            await lease.guarded(self._clear_for_foreign_use(slot))
+            slot.forget()
+            body = orjson.dumps({**payload, "id_slot": slot.id})
+            return (await self.relay_bypass(request, path_qs, body)).response
+        finally:
+            lease.release()
+
+    async def handle_unpinnable(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        """Routes that ignore `id_slot` (e.g. /v1/messages): the server picks a slot itself, so
+        the proxy holds all of them, saves what would be lost, and re-reads them afterwards."""
+        body = await request.read()
+        if not self.backend.enabled:
+            return (await self.relay_bypass(request, path_qs, body)).response
+        try:
+            taken = await self.pool.acquire_all()
+        except QueueFull as exc:
+            return busy_response(exc)
+        lease = Lease(self.pool, taken, self.background)
+        try:
+            for slot in taken:
+                await lease.guarded(self._clear_for_foreign_use(slot))
+            try:
+                result = await self.relay_bypass(request, path_qs, body)
+            except BaseException:
+                for slot in taken:
+                    slot.forget()
+                raise
+            lease.hand_off(self._reverify(taken))
+            return result.response
+        finally:
+            lease.release()
+
+    async def _reverify(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            try:
+                await self.work.verify(slot)
+            except UpstreamError:
+                slot.forget()
+
+    async def _clear_for_foreign_use(self, slot: Slot) -> None:
+        """Before a request the cache does not key uses the slot: keep what would be lost."""
+        try:
+            await self.work.verify(slot)
+            if self.work.worth_saving(slot):
+                await self.work.save(slot)
+        except UpstreamError as exc:
+            log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
+            slot.forget()
+
+    async def relay_bypass(self, request: web.Request, path_qs: str, data: bytes) -> RelayResult:
+        started = time.perf_counter()
+        result = await relay(
+            request,
+            self.backend.upstream,
+            path_qs,
+            data,
+            body_replaced=True,
+            extra_headers={"X-KVProxy-Cache": Decision.BYPASS.value},
+        )
+        duration = time.perf_counter() - started
+        self.events.request(
+            RequestEvent(request.path, Decision.BYPASS, result.status, duration_s=duration)
+        )
+        return result
+
+
+def busy_response(exc: QueueFull) -> web.Response:
+    return error_response(
+        503,
+        f"All llama-server slots are busy: {exc}. Retry shortly.",
+        "slots_busy",
+        headers={"Retry-After": str(exc.retry_after)},
+    )

@@ -1,0 +1,43 @@
+"""OpenAI chat completions (`/v1/chat/completions`): `messages` keyed one by one, `id_slot`
+pins, the reply captured from the JSON body or the SSE events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from .. import canonical, keys
+from ..replies import Reply, ReplyCapture
+from . import Conversation, NotKeyed
+
+
+class ChatAdapter:
+    name = "chat"
+
+    def __init__(self, keep_reasoning: bool = False) -> None:
+        self.keep_reasoning = keep_reasoning
+
+    def read(
+        self, payload: dict[str, Any], model_identity: str, tenant: str | None
+    ) -> Conversation | NotKeyed:
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return NotKeyed("no messages")
+        if payload.get("n", 1) not in (1, None):
+            return NotKeyed("n > 1")
+        ns = keys.namespace(model_identity, payload, tenant)
+        try:
+            chain = keys.chain(ns, messages)
+        except keys.UnkeyableRequest as exc:
+            return NotKeyed(str(exc))
+        return Conversation(payload, ns, chain, messages, canonical.template_fields(payload))
+
+    def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
+        return orjson.dumps({**payload, "id_slot": slot_id})
+
+    def capture(self, conversation: Conversation) -> ReplyCapture:
+        return ReplyCapture(streaming=bool(conversation.payload.get("stream")))
+
+    def echoed(self, reply: Reply) -> dict[str, Any]:
+        return reply.as_echoed(self.keep_reasoning)

@@ -1,0 +1,94 @@
+"""The cache's decisions on plain data (policy.py): no server, no HTTP."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvproxy.policy import (
+    INEFFECTIVE_LIMIT,
+    HeldView,
+    Move,
+    RestoreGuard,
+    RestoreVerdict,
+    choose,
+    due_for_idle_save,
+    judge_restore,
+    worth_saving,
+)
+
+CHAIN = ["k0", "k1", "k2", "k3"]
+
+
+def held(n_tokens: int = 1000, saved: bool = False, chain: list[str] = CHAIN) -> HeldView:
+    return HeldView("ns", chain, n_tokens, saved)
+
+
+def test_a_longer_stored_prefix_is_restored_a_resident_one_is_used() -> None:
+    assert choose(resident_depth=2, stored_depth=4, restores_allowed=True) is Move.RESTORE
+    assert choose(resident_depth=4, stored_depth=4, restores_allowed=True) is Move.USE_RESIDENT
+    assert choose(resident_depth=3, stored_depth=2, restores_allowed=True) is Move.USE_RESIDENT
+    assert choose(resident_depth=0, stored_depth=None, restores_allowed=True) is Move.START_COLD
+    assert choose(resident_depth=0, stored_depth=3, restores_allowed=False) is Move.START_COLD
+    assert choose(resident_depth=1, stored_depth=3, restores_allowed=False) is Move.USE_RESIDENT
+
+
+@given(st.integers(0, 50), st.one_of(st.none(), st.integers(1, 50)), st.booleans())
+def test_a_restore_never_replaces_at_least_as_much_in_the_slot(
+    resident: int, stored: int | None, allowed: bool
+) -> None:
+    move = choose(resident, stored, allowed)
+    if move is Move.RESTORE:
+        assert allowed and stored is not None and stored > resident
+    else:
+        assert (move is Move.USE_RESIDENT) == (resident > 0)
+
+
+def decide(h: HeldView | None, incoming: list[str] | None = None, **kw: object) -> bool:
+    opts: dict = {"disk_enabled": True, "restores_allowed": True, "min_tokens": 256, **kw}
+    return worth_saving(h, incoming=incoming, **opts)
+
+
+def test_what_is_worth_a_save() -> None:
+    assert decide(held())
+    assert not decide(None)
+    assert not decide(held(saved=True)), "already on disk"
+    assert not decide(held(n_tokens=100)), "below --min-tokens"
+    assert not decide(held(), disk_enabled=False)
+    assert not decide(held(), restores_allowed=False), "it would never be restored"
+
+
+def test_no_save_when_the_incoming_request_continues_or_regenerates_the_conversation() -> None:
+    assert not decide(held(), incoming=[*CHAIN, "k4", "k5"]), "continues it"
+    assert not decide(held(), incoming=["k0", "k1", "k2", "other"]), "regenerated reply"
+    assert decide(held(), incoming=["k0", "k1", "x", "y"]), "a branch loses the last turns"
+    assert decide(held(), incoming=["other"])
+
+
+def test_a_restore_counts_as_reused_when_half_of_what_could_be_was() -> None:
+    assert judge_restore(1000, cache_n=990, prompt_n=40) is RestoreVerdict.REUSED
+    assert judge_restore(1000, cache_n=0, prompt_n=1030) is RestoreVerdict.WASTED
+    # A prompt shorter than the restored state: only the prompt less one token can be reused.
+    assert judge_restore(1000, cache_n=150, prompt_n=151) is RestoreVerdict.REUSED
+    assert judge_restore(1000, cache_n=None, prompt_n=None) is RestoreVerdict.UNKNOWN
+
+
+def test_the_guard_turns_restores_off_after_wasted_ones_in_a_row() -> None:
+    guard = RestoreGuard()
+    turned_off = [guard.record("a", RestoreVerdict.WASTED) for _ in range(INEFFECTIVE_LIMIT)]
+    assert turned_off == [False] * (INEFFECTIVE_LIMIT - 1) + [True]
+    assert not guard.allows("a") and guard.allows("b")
+    assert not guard.record("a", RestoreVerdict.WASTED), "said once"
+
+    other = RestoreGuard()
+    for _ in range(INEFFECTIVE_LIMIT - 1):
+        other.record("a", RestoreVerdict.WASTED)
+    other.record("a", RestoreVerdict.REUSED)  # breaks the streak
+    other.record("a", RestoreVerdict.UNKNOWN)  # says nothing
+    assert not other.record("a", RestoreVerdict.WASTED) and other.allows("a")
+
+
+def test_idle_saves_wait_for_the_idle_time() -> None:
+    assert due_for_idle_save(31.0, 30.0, worth=True)
+    assert not due_for_idle_save(29.0, 30.0, worth=True)
+    assert not due_for_idle_save(100.0, 30.0, worth=False)
