@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import struct
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -13,7 +15,20 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .fakeserver import BOS, EOS, FakeLlamaServer, common_prefix, render_chat, tokenize
+from kvproxy.managed import free_port
+from kvproxy.testing.fakeserver import (
+    BOS,
+    EOS,
+    FakeLlamaServer,
+    FakeSlot,
+    _ChatFormat,
+    _Job,
+    _Run,
+    _sse,
+    common_prefix,
+    render_chat,
+    tokenize,
+)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -646,3 +661,96 @@ async def test_deferred_tasks_are_popped_one_per_release(
     await c
     assert (await erase)[0] == 200  # popped when c released its slot
     assert server.deferred_actions == 2
+
+
+# ----------------------------------------------------------------------------- for benchmarks
+
+
+async def test_no_slots_endpoint(http: aiohttp.ClientSession, make_server: MakeServer) -> None:
+    """llama-server --no-slots: GET /slots is refused, completions still work."""
+    server = await make_server(slots_endpoint=False)
+    async with http.get(server.url + "/slots") as resp:
+        assert resp.status == 501
+        error = (await resp.json())["error"]
+    assert error["type"] == "not_supported_error" and "slots endpoint" in error["message"]
+    body = await chat(http, server, USER)
+    assert body["choices"][0]["message"]["content"] == "Echo: hello there"
+
+
+async def test_ignore_eos_runs_to_the_limit(
+    http: aiohttp.ClientSession, make_server: MakeServer
+) -> None:
+    """llama-server --ignore-eos: EOS is never sampled; the fake says its reply again."""
+    server = await make_server(ignore_eos=True, n_ctx=256)
+    again = ("Echo: hello there" * 4)[:50]
+    choice = (await chat(http, server, USER, max_tokens=50))["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == again
+    events = await stream_events(
+        http, server, "/v1/chat/completions", {"messages": USER, "max_tokens": 50}
+    )
+    chunks = [e for _, e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == again
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # without a limit, until the context is full
+    body = await chat(http, server, USER)
+    assert body["usage"]["completion_tokens"] == 256 - len(chat_prompt(USER))
+
+
+def test_plain_stream_events_are_the_parsers() -> None:
+    """A reply without reasoning or tools streams through a shortcut: the same bytes, multi-byte
+    characters (split over several tokens) and a broken one included."""
+    reply = "héllo ✓ wörld 😀 ok"
+    broken = [*tokenize("é")[:1], *tokenize("b")]  # a lead byte, then ASCII: "\ufffdb"
+    job = _Job(
+        prompt=[BOS],
+        generated=[*tokenize(reply), *broken, EOS],
+        n_predict=-1,
+        id_slot=-1,
+        cache_prompt=True,
+        stream=True,
+        params={},
+    )
+    run = _Run(slot=FakeSlot(id=0, n_ctx=4096), job=job)
+    fast, parsed = (
+        _ChatFormat("m", "id", thinking=False, tools=False, call_id=str, include_usage=False)
+        for _ in range(2)
+    )
+    parsed.created = fast.created
+    got: list[bytes] = []
+    want: list[bytes] = []
+    for tok in job.generated:
+        run.sampled.append(tok)
+        got += fast.stream_events(run, tok)
+        want += [_sse(event) for event in parsed.partial(run, tok)]
+    assert got == want and len(got) == 1 + len(reply) + 1  # role, one per character, "\ufffdb"
+    deltas = [json.loads(event[len(b"data: ") :])["choices"][0]["delta"] for event in got]
+    assert "".join(d["content"] or "" for d in deltas) == reply + "\ufffdb"
+    assert fast.final_stream(run) == parsed.final_stream(run)
+
+
+async def test_runs_as_a_process(http: aiohttp.ClientSession) -> None:
+    """What the `overhead` benchmark starts; it stops it with SIGTERM."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvproxy.testing.fakeserver",
+        *("--port", str(port), "--no-slots", "--ignore-eos"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                async with http.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.05)
+        async with http.get(url + "/slots") as resp:
+            assert resp.status == 501
+        body = {"messages": USER, "max_tokens": 40}
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            assert (await resp.json())["usage"]["completion_tokens"] == 40
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0

@@ -1,7 +1,9 @@
-"""`overhead`: kvproxy's own cost against the direct path, on a fake upstream that answers at
-once (`fakeupstream.py`), in two modes: cache on (the fake answers `/slots`, so every chat
-request is keyed, pinned and its slot checked with `GET /slots`) and pass-through (`/slots`
-answers 501, as a server without slots would: kvproxy relays uncached).
+"""`overhead`: kvproxy's own cost against the direct path, on the fake llama-server
+(`kvproxy.testing.fakeserver`, no prompt or token delays: it answers at once), in two modes:
+cache on (the fake answers `/slots`, so every chat request is keyed, pinned and its slot
+checked with `GET /slots`) and pass-through (`--no-slots`: `/slots` answers 501, as a server
+without slots would: kvproxy relays uncached). Slot save/restore answer 501 (no
+`--slot-save-path`): these runs never touch the disk.
 
 The fake server and kvproxy run as separate processes; the client is this process. The same
 client sends every request, alternating direct and proxied, one at a time, so its own cost
@@ -38,6 +40,7 @@ from .report import progress, table
 CACHE_ON = "cache on"
 PASS_THROUGH = "pass-through"
 JSON_HEADERS = {"Content-Type": "application/json"}
+FAKE_MIN_CTX = 4096  # the fake's context per slot, unless a stream needs more
 
 
 @dataclass
@@ -135,9 +138,13 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
     fake_command = [
         sys.executable,
         "-m",
-        "kvproxy.bench.fakeupstream",
+        "kvproxy.testing.fakeserver",
         "--port",
         str(fake_port),
+        # Streams of exactly `sse_events` tokens: no EOS, and room for them in the context.
+        "--ignore-eos",
+        "--ctx-size",
+        str(max(FAKE_MIN_CTX, opts.sse_events + 1024)),
         "--slots" if mode == CACHE_ON else "--no-slots",
     ]
     fake = LoggedProcess(workdir / "fake.log")

@@ -1,0 +1,1306 @@
+"""A fake llama-server for fast tests and for the `overhead` benchmark.
+
+It reproduces the behaviour of the real server that kvproxy depends on (see
+tools/server/server-context.cpp of llama.cpp): slot selection and id wrapping, the
+deferral of work sent to busy slots (including the way deferred tasks are popped again),
+prompt-cache reuse and `timings`, the slot save file format, restore failures erasing the
+slot, the reuse rules of SWA and recurrent models after a restore, SSE chunking and the
+error JSON shape. Tokens are bytes, so tests can reason about token counts exactly.
+
+In-process: `async with FakeLlamaServer(...) as fake:` (tests). As a process, answering at once:
+`python -m kvproxy.testing.fakeserver --port P [--no-slots] [--ignore-eos]` (benchmarks). The
+proxy runtime never imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import contextlib
+import hashlib
+import itertools
+import json
+import re
+import signal
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+BOS = 2
+EOS = 1
+BYTE_OFFSET = 10
+N_VOCAB = BYTE_OFFSET + 256
+N_BATCH = 512
+SLOT_PROMPT_SIMILARITY = 0.1
+
+STATE_MAGIC = 0x67677371  # "ggsq"
+STATE_VERSION = 4
+TOKENS_STATE_VERSION = 1
+KV_BYTES_PER_TOKEN = 16
+KV_MAGIC = 0x4B56
+SIDECAR_SUFFIX = ".ckpt"
+SIDECAR_SIZE = 384
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+REASONING_TEXT = "Let me think."
+TOOL_TRIGGER = "CALL_TOOL"
+TOOL_ARGUMENTS = {"x": 1}
+_TOOL_HEAD = re.compile(r'\s*\{"name": "([^"]+)", "arguments": ')
+
+ERROR_CODES = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "not_found_error": 404,
+    "server_error": 500,
+    "permission_error": 403,
+    "not_supported_error": 501,
+    "unavailable_error": 503,
+    "exceed_context_size_error": 400,
+}
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+
+Reuse = Literal["full", "none", "extend"]
+ReplyFn = Callable[[list[dict[str, Any]]], str]
+Json = dict[str, Any]
+
+
+class _RequestError(Exception):
+    """A request that the real server answers with an error JSON."""
+
+    def __init__(self, message: str, kind: str = "invalid_request_error", **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.extra = extra
+
+
+def error_json(message: str, kind: str, **extra: Any) -> Json:
+    return {"error": {"code": ERROR_CODES[kind], "message": message, "type": kind, **extra}}
+
+
+def error_response(message: str, kind: str = "invalid_request_error", **extra: Any) -> web.Response:
+    return web.json_response(error_json(message, kind, **extra), status=ERROR_CODES[kind])
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def tokenize(text: str, add_special: bool = False) -> list[int]:
+    """One token per UTF-8 byte (id = byte + 10); BOS (2) first when add_special."""
+    return ([BOS] if add_special else []) + [b + BYTE_OFFSET for b in text.encode()]
+
+
+def token_bytes(tokens: list[int]) -> bytes:
+    out = bytearray()
+    for tok in tokens:
+        if tok >= BYTE_OFFSET:
+            out.append(tok - BYTE_OFFSET)
+        elif tok == BOS:
+            out += b"<bos>"
+        elif tok == EOS:
+            out += b"<eos>"
+    return bytes(out)
+
+
+def detokenize(tokens: list[int]) -> str:
+    return token_bytes(tokens).decode(errors="replace")
+
+
+def tokenize_mixed(content: Any, add_special: bool) -> list[int]:
+    """Like the server's tokenize_mixed: a string, or a list of strings and token ids."""
+    if isinstance(content, str):
+        return tokenize(content, add_special)
+    if not isinstance(content, list):
+        raise _RequestError('"prompt" must be a string or an array of tokens')
+    out: list[int] = []
+    for i, item in enumerate(content):
+        if isinstance(item, str):
+            out += tokenize(item, add_special and i == 0)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            out.append(item)
+        else:
+            raise _RequestError("invalid prompt element")
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+# --------------------------------------------------------------------------- template
+
+
+def content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        ]
+        return "\n".join(parts)
+    raise _RequestError("Expected 'content' to be a string or an array")
+
+
+def render_chat(messages: list[Json], add_generation_prompt: bool = True) -> str:
+    """Gemma-like template; a trailing assistant message is continued (assistant prefill)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise _RequestError("'messages' must be an array of objects")
+    prefill = bool(messages) and messages[-1].get("role") == "assistant"
+    if prefill:
+        if len(messages) >= 2 and messages[-2].get("role") == "assistant":
+            raise _RequestError("Cannot have 2 or more assistant messages at the end of the list.")
+        if messages[-1].get("tool_calls"):
+            raise _RequestError("Cannot continue an assistant message that contains tool calls.")
+        add_generation_prompt = False
+    out: list[str] = []
+    for i, msg in enumerate(messages):
+        role = msg.get("role", "user")
+        role = "model" if role == "assistant" else role
+        text = content_text(msg.get("content"))
+        for call in msg.get("tool_calls") or []:
+            # Like templates that print the arguments string as the client sent it.
+            fn = call.get("function") or {}
+            text += f"<tool_call>{fn.get('name')} {fn.get('arguments')}</tool_call>"
+        end = "" if prefill and i == len(messages) - 1 else "<end_of_turn>\n"
+        out.append(f"<start_of_turn>{role}\n{text}{end}")
+    if add_generation_prompt:
+        out.append("<start_of_turn>model\n")
+    return "".join(out)
+
+
+def default_reply(messages: list[Json]) -> str:
+    users = [m for m in messages if m.get("role") == "user"]
+    text = content_text(users[-1].get("content")) if users else ""
+    return "Echo: " + text[:40]
+
+
+def validate_filename(name: str) -> bool:
+    """fs_validate_filename from common/common.cpp (without subdirectories)."""
+    if not name or len(name.encode()) > 255:
+        return False
+    for ch in name:
+        c = ord(ch)
+        if (
+            c <= 0x1F
+            or c == 0x7F
+            or 0x80 <= c <= 0x9F
+            or c in (0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF)
+            or 0xD800 <= c <= 0xDFFF
+            or ch in ':*?"<>|/\\'
+        ):
+            return False
+    if name[0] == " " or name[-1] in " .":
+        return False
+    return ".." not in name and name != "."
+
+
+# --------------------------------------------------------------------------- output parsing
+
+
+@dataclass
+class _Msg:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[tuple[str, str, str]] = field(default_factory=list)  # (id, name, arguments)
+
+
+def _strip_partial_tag(text: str, tag: str) -> str:
+    for i in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:i]):
+            return text[:-i]
+    return text
+
+
+def _json_value_prefix(text: str) -> str:
+    """The first JSON value of text if it is complete, else all of text."""
+    depth, in_str, esc = 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return text[: i + 1]
+    return text
+
+
+def parse_output(
+    raw: str, partial: bool, thinking: bool, tools: bool, call_id: Callable[[int], str]
+) -> _Msg:
+    """Split raw generated text into reasoning, content and tool calls like the chat parser."""
+    msg = _Msg()
+    body = raw
+    if thinking:
+        if body.startswith(THINK_OPEN):
+            rest = body[len(THINK_OPEN) :]
+            if THINK_CLOSE in rest:
+                msg.reasoning, body = rest.split(THINK_CLOSE, 1)
+            else:
+                msg.reasoning = _strip_partial_tag(rest, THINK_CLOSE) if partial else rest
+                body = ""
+        elif partial and THINK_OPEN.startswith(body):
+            body = ""
+    if tools and body.startswith(TOOL_OPEN):
+        inner = body[len(TOOL_OPEN) :]
+        head = _TOOL_HEAD.match(inner)
+        if head:
+            msg.tool_calls.append(
+                (call_id(0), head.group(1), _json_value_prefix(inner[head.end() :]))
+            )
+        return msg
+    if tools and partial and TOOL_OPEN.startswith(body):
+        return msg
+    msg.content = body
+    return msg
+
+
+def diff_msgs(prev: _Msg, new: _Msg) -> list[Json]:
+    """OpenAI deltas between two parsed messages (common_chat_msg_diff::compute_diffs)."""
+    deltas: list[Json] = []
+    if new.reasoning != prev.reasoning:
+        deltas.append({"reasoning_content": new.reasoning[len(prev.reasoning) :]})
+    if new.content != prev.content:
+        deltas.append({"content": new.content[len(prev.content) :]})
+    for idx, (cid, name, args) in enumerate(new.tool_calls):
+        call: Json = {"index": idx}
+        if idx < len(prev.tool_calls):
+            pid, pname, pargs = prev.tool_calls[idx]
+            if (pid, pname) != (cid, name):
+                call.update(id=cid, type="function")
+            if args == pargs and (pid, pname) == (cid, name):
+                continue
+            fn: Json = {"name": name} if (pid, pname) != (cid, name) else {}
+            if args[len(pargs) :]:
+                fn["arguments"] = args[len(pargs) :]
+        else:
+            call.update(id=cid, type="function")
+            fn = {"name": name}
+            if args:
+                fn["arguments"] = args
+        if fn:
+            call["function"] = fn
+        deltas.append({"tool_calls": [call]})
+    return deltas
+
+
+def message_json(msg: _Msg) -> Json:
+    out: Json = {"role": "assistant", "content": msg.content}
+    if msg.reasoning:
+        out["reasoning_content"] = msg.reasoning
+    if msg.tool_calls:
+        out["tool_calls"] = [
+            {"type": "function", "function": {"name": name, "arguments": args}, "id": cid}
+            for cid, name, args in msg.tool_calls
+        ]
+    return out
+
+
+# --------------------------------------------------------------------------- slots
+
+
+@dataclass(eq=False)
+class FakeSlot:
+    id: int
+    n_ctx: int
+    tokens: list[int] = field(default_factory=list)
+    id_task: int | None = None
+    is_processing: bool = False
+    restored: bool = False
+    t_last_used: float = -1.0
+    n_prompt_processed: int = 0
+    n_prompt_cached: int = 0
+    n_decoded: int = 0
+    n_predict: int = -1
+    params: Json = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.tokens = []
+        self.restored = False
+
+    def to_json(self) -> Json:
+        out: Json = {
+            "id": self.id,
+            "n_ctx": self.n_ctx,
+            "speculative": False,
+            "is_processing": self.is_processing,
+        }
+        if self.id_task is not None:
+            n_remain = -1 if self.n_predict < 0 else self.n_predict - self.n_decoded
+            out.update(
+                id_task=self.id_task,
+                n_prompt_tokens=len(self.tokens),
+                n_prompt_tokens_processed=self.n_prompt_processed,
+                n_prompt_tokens_cache=self.n_prompt_cached,
+                params=self.params,
+                next_token=[
+                    {
+                        "has_next_token": self.is_processing,
+                        "has_new_line": False,
+                        "n_remain": n_remain,
+                        "n_decoded": self.n_decoded,
+                    }
+                ],
+            )
+        return out
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """A task waiting in the server's queue: a completion or a slot action."""
+
+    id_slot: int  # the task's id_slot (-1 = any); deferred tasks are matched on it
+    prompt: list[int]
+    future: asyncio.Future[Any]
+    action: Callable[[FakeSlot], tuple[int, Json]] | None = None
+    target: int | None = None  # slot index of a slot action (its id_slot stays -1)
+
+
+@dataclass
+class _Job:
+    prompt: list[int]
+    generated: list[int]  # what the model would sample, ending with EOS
+    n_predict: int
+    id_slot: int
+    cache_prompt: bool
+    stream: bool
+    params: Json
+
+
+@dataclass
+class _Run:
+    """One completion task on a slot."""
+
+    slot: FakeSlot
+    job: _Job
+    cache_n: int = 0
+    sampled: list[int] = field(default_factory=list)
+    t_prompt_ms: float = 0.0
+    t_gen_ms: float = 0.0
+    released: bool = False
+
+    @property
+    def stopped_by_eos(self) -> bool:
+        return bool(self.sampled) and self.sampled[-1] == EOS
+
+    @property
+    def text_tokens(self) -> list[int]:
+        return [t for t in self.sampled if t != EOS]
+
+    def timings(self) -> Json:
+        prompt_n = len(self.job.prompt) - self.cache_n
+        predicted_n = len(self.sampled)
+        p_ms, g_ms = max(self.t_prompt_ms, 1e-3), max(self.t_gen_ms, 1e-3)
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": prompt_n,
+            "prompt_ms": self.t_prompt_ms,
+            "prompt_per_token_ms": p_ms / max(prompt_n, 1),
+            "prompt_per_second": 1e3 * prompt_n / p_ms,
+            "predicted_n": predicted_n,
+            "predicted_ms": self.t_gen_ms,
+            "predicted_per_token_ms": g_ms / max(predicted_n, 1),
+            "predicted_per_second": 1e3 * predicted_n / g_ms,
+        }
+
+    def usage(self) -> Json:
+        n_prompt, n_gen = len(self.job.prompt), len(self.sampled)
+        return {
+            "completion_tokens": n_gen,
+            "prompt_tokens": n_prompt,
+            "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": self.cache_n},
+        }
+
+
+def _wrap(id_slot: int, n_slots: int) -> int:
+    # the server computes `id_slot % slots.size()` with an unsigned size: -1 wraps too
+    return (id_slot % 2**64) % n_slots
+
+
+def _sse(data: Any) -> bytes:
+    # Compact JSON, as llama-server writes its events (and what lets a stream go at
+    # benchmark speed: one event per token).
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+# --------------------------------------------------------------------------- reply formats
+
+
+class _Format:
+    """Turns a completion run into the JSON of one endpoint (stream chunks and final)."""
+
+    done_marker = True  # OpenAI-compatible streams end with `data: [DONE]`
+
+    def __init__(self, model: str, cmpl_id: str) -> None:
+        self.model = model
+        self.cmpl_id = cmpl_id
+        self.created = int(time.time())
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._in_sequence = False  # the decoder holds the first bytes of a UTF-8 sequence
+        self.text = ""
+
+    def feed(self, tok: int) -> str | None:
+        """New text of a sampled token; None while a UTF-8 sequence is incomplete."""
+        if tok == EOS:
+            return ""
+        byte = tok - BYTE_OFFSET
+        if byte < 0x80 and not self._in_sequence:
+            piece = chr(byte)  # what the decoder returns, at a fraction of its cost
+        else:
+            piece = self._decoder.decode(bytes([byte]))
+            self._in_sequence = bool(self._decoder.getstate()[0])
+        if not piece:
+            return None
+        self.text += piece
+        return piece
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        raise NotImplementedError
+
+    def stream_events(self, run: _Run, tok: int) -> list[bytes]:
+        """The SSE events of a sampled token: `partial`'s, serialized."""
+        return [_sse(event) for event in self.partial(run, tok)]
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        raise NotImplementedError
+
+    def final(self, run: _Run) -> Json:
+        raise NotImplementedError
+
+    def finish_reason(self, run: _Run, tool_calls: bool = False) -> str:
+        if not run.stopped_by_eos:
+            return "length"
+        return "tool_calls" if tool_calls else "stop"
+
+
+class _CompletionFormat(_Format):
+    """Native /completion replies (no [DONE] at the end of a stream)."""
+
+    done_marker = False
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        piece = self.feed(tok)
+        if piece is None:
+            return []
+        return [
+            {
+                "index": 0,
+                "content": piece,
+                "tokens": [],
+                "stop": False,
+                "id_slot": run.slot.id,
+                "tokens_predicted": len(run.sampled),
+                "tokens_evaluated": len(run.job.prompt),
+            }
+        ]
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        return [self._final(run, "")]
+
+    def final(self, run: _Run) -> Json:
+        return self._final(run, detokenize(run.text_tokens))
+
+    def _final(self, run: _Run, content: str) -> Json:
+        return {
+            "index": 0,
+            "content": content,
+            "tokens": [],
+            "id_slot": run.slot.id,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": len(run.sampled),
+            "tokens_evaluated": len(run.job.prompt),
+            "generation_settings": run.job.params,
+            "prompt": detokenize(run.job.prompt),
+            "has_new_line": "\n" in content,
+            "truncated": False,
+            "stop_type": "eos" if run.stopped_by_eos else "limit",
+            "stopping_word": "",
+            "tokens_cached": len(run.job.prompt) + max(len(run.sampled) - 1, 0),
+            "timings": run.timings(),
+        }
+
+
+class _OaiCompletionFormat(_Format):
+    """/v1/completions replies (object text_completion)."""
+
+    def _obj(self, text: str, finish_reason: str | None) -> Json:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "choices": [choice],
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "fake",
+            "object": "text_completion",
+            "id": self.cmpl_id,
+        }
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        piece = self.feed(tok)
+        return [] if piece is None else [self._obj(piece, None)]
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        out = self._obj("", self.finish_reason(run))
+        return [{**out, "usage": run.usage(), "timings": run.timings()}]
+
+    def final(self, run: _Run) -> Json:
+        out = self._obj(detokenize(run.text_tokens), self.finish_reason(run))
+        return {**out, "usage": run.usage(), "timings": run.timings()}
+
+
+class _ChatFormat(_Format):
+    """/v1/chat/completions replies, with reasoning and tool-call parsing."""
+
+    def __init__(
+        self,
+        model: str,
+        cmpl_id: str,
+        *,
+        thinking: bool,
+        tools: bool,
+        call_id: Callable[[int], str],
+        include_usage: bool,
+    ) -> None:
+        super().__init__(model, cmpl_id)
+        self.thinking = thinking
+        self.tools = tools
+        self.call_id = call_id
+        self.include_usage = include_usage
+        self.prev = _Msg()
+        self._content_events: dict[str, bytes] = {}  # piece -> its event, for plain content
+
+    def parse(self, partial: bool) -> _Msg:
+        return parse_output(self.text, partial, self.thinking, self.tools, self.call_id)
+
+    def _chunk(self, delta: Json | None, finish_reason: str | None = None) -> Json:
+        choices = (
+            [] if delta is None else [{"finish_reason": finish_reason, "index": 0, "delta": delta}]
+        )
+        return {
+            "choices": choices,
+            "created": self.created,
+            "id": self.cmpl_id,
+            "model": self.model,
+            "system_fingerprint": "fake",
+            "object": "chat.completion.chunk",
+        }
+
+    def partial(self, run: _Run, tok: int) -> list[Json]:
+        if self.feed(tok) is None:
+            return []
+        deltas: list[Json] = []
+        if len(run.sampled) == 1:
+            deltas.append({"role": "assistant", "content": None})
+        cur = self.parse(partial=True)
+        deltas += diff_msgs(self.prev, cur)
+        self.prev = cur
+        return [self._chunk(d) for d in deltas]
+
+    def stream_events(self, run: _Run, tok: int) -> list[bytes]:
+        """Same bytes as `partial`'s events. Past the first token of a reply that is plain
+        content (no reasoning, no tool calls to parse), the parsed message is the text so far
+        and its diff the new piece: that event is serialized once per piece. A stream then
+        costs the fake little more than its writes, as llama-server's cost next to kvproxy's
+        relay: the `overhead` benchmark's SSE rate measures the relay, not the fake."""
+        if self.thinking or self.tools or len(run.sampled) == 1:
+            return super().stream_events(run, tok)
+        piece = self.feed(tok)
+        if not piece:  # an incomplete UTF-8 sequence, or EOS: the content has not changed
+            return []
+        self.prev.content = self.text
+        event = self._content_events.get(piece)
+        if event is None:
+            event = self._content_events[piece] = _sse(self._chunk({"content": piece}))
+        return [event]
+
+    def final_stream(self, run: _Run) -> list[Json]:
+        msg = self.parse(partial=False)
+        out = [self._chunk(d) for d in diff_msgs(self.prev, msg)]
+        out.append(self._chunk({}, self.finish_reason(run, bool(msg.tool_calls))))
+        if self.include_usage:
+            out.append({**self._chunk(None), "usage": run.usage()})
+        out[-1]["timings"] = run.timings()
+        return out
+
+    def final(self, run: _Run) -> Json:
+        self.text = detokenize(run.text_tokens)
+        msg = self.parse(partial=False)
+        choice = {
+            "finish_reason": self.finish_reason(run, bool(msg.tool_calls)),
+            "index": 0,
+            "message": message_json(msg),
+        }
+        return {
+            "choices": [choice],
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "fake",
+            "object": "chat.completion",
+            "usage": run.usage(),
+            "id": self.cmpl_id,
+            "timings": run.timings(),
+        }
+
+
+# --------------------------------------------------------------------------- server
+
+
+class FakeLlamaServer:
+    """In-process fake of llama-server. Use `await start()`/`await stop()` or `async with`."""
+
+    def __init__(
+        self,
+        *,
+        n_slots: int = 2,
+        slot_save_path: Path | None = None,
+        n_ctx: int = 4096,
+        prompt_delay: float = 0.0,
+        token_delay: float = 0.0,
+        write_sidecar: bool = False,
+        api_key: str | None = None,
+        model_path: str = "/models/fake-model.gguf",
+        reuse: Reuse = "full",
+        wipe_idle_slots: bool = False,
+        reply: ReplyFn | None = None,
+        fail_saves: bool = False,
+        action_delay: float = 0.0,
+        slots_endpoint: bool = True,
+        ignore_eos: bool = False,
+    ) -> None:
+        if reuse not in ("full", "none", "extend"):
+            raise ValueError(f"unknown reuse rule {reuse!r}")
+        self.n_slots = n_slots
+        self.slot_save_path = Path(slot_save_path) if slot_save_path is not None else None
+        self.n_ctx = n_ctx
+        self.prompt_delay = prompt_delay
+        self.token_delay = token_delay
+        self.write_sidecar = write_sidecar
+        self.api_key = api_key
+        self.model_path = model_path
+        self.model_name = Path(model_path).name
+        self.reuse: Reuse = reuse
+        self.wipe_idle_slots = wipe_idle_slots
+        self.reply: ReplyFn = reply or default_reply
+        # Faults the real server shows only on a full disk / a slow disk.
+        self.fail_saves = fail_saves
+        self.action_delay = action_delay
+        # llama-server's --no-slots: GET /slots answers 501, so kvproxy passes requests through.
+        self.slots_endpoint = slots_endpoint
+        # llama-server's --ignore-eos: every reply runs to its token limit (or the context's end).
+        self.ignore_eos = ignore_eos
+
+        self.slots = [FakeSlot(id=i, n_ctx=n_ctx) for i in range(n_slots)]
+        self.requests: list[tuple[str, str, Any]] = []
+        self.actions: list[tuple[str, int, str | None, bool]] = []
+        self.deferred_actions = 0
+        self.deferred_tasks = 0
+        self.url = ""
+        self._deferred: list[_Ticket] = []
+        self._next_id = 0
+        self._runner: web.AppRunner | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self, port: int = 0) -> str:
+        """Listen on 127.0.0.1:`port` (0: any free port); returns the base URL."""
+        app = web.Application(middlewares=[self._middleware])
+        r = app.router
+        r.add_get("/health", self._health)
+        r.add_get("/v1/health", self._health)
+        r.add_get("/props", self._props)
+        r.add_get("/models", self._models)
+        r.add_get("/v1/models", self._models)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_post("/detokenize", self._detokenize)
+        r.add_post("/apply-template", self._apply_template)
+        r.add_post("/completion", self._completion)
+        r.add_post("/completions", self._completion)
+        r.add_post("/v1/completions", self._completion_oai)
+        r.add_post("/chat/completions", self._chat)
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_get("/slots", self._get_slots)
+        r.add_post("/slots/{id_slot}", self._post_slot)
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", port))
+        await web.SockSite(self._runner, sock).start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        for ticket in self._deferred:
+            ticket.future.cancel()
+        self._deferred.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeLlamaServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _pick_slot(self, ticket: _Ticket) -> FakeSlot | None:
+        """get_available_slot(): a pinned slot (maybe busy), else LCP similarity, else LRU."""
+        if ticket.target is not None:
+            return self.slots[ticket.target]
+        if ticket.id_slot != -1:
+            return self.slots[_wrap(ticket.id_slot, self.n_slots)]
+        best, f_best = None, 0.0
+        for slot in self.slots:
+            if slot.is_processing or not slot.tokens or not ticket.prompt:
+                continue
+            f_sim = common_prefix(slot.tokens, ticket.prompt) / len(ticket.prompt)
+            if f_sim > f_best and f_sim > SLOT_PROMPT_SIMILARITY:
+                best, f_best = slot, f_sim
+        if best is not None:
+            return best
+        t_last = -1.0
+        for slot in self.slots:
+            if not slot.is_processing and (best is None or slot.t_last_used <= t_last):
+                best, t_last = slot, slot.t_last_used
+        return best
+
+    def _try_run(self, ticket: _Ticket) -> bool:
+        slot = self._pick_slot(ticket)
+        if slot is None or slot.is_processing:
+            return False
+        if ticket.action is not None:
+            ticket.future.set_result(ticket.action(slot))
+            return True
+        slot.is_processing = True
+        if self.wipe_idle_slots:
+            for other in self.slots:
+                if not other.is_processing:
+                    other.clear()
+        ticket.future.set_result(slot)
+        return True
+
+    def _defer(self, ticket: _Ticket) -> None:
+        self._deferred.append(ticket)
+        if ticket.action is not None:
+            self.deferred_actions += 1
+        else:
+            self.deferred_tasks += 1
+
+    async def _submit(self, ticket: _Ticket) -> Any:
+        if not self._try_run(ticket):
+            self._defer(ticket)
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            if ticket in self._deferred:
+                self._deferred.remove(ticket)
+            fut = ticket.future
+            if ticket.action is None and fut.done() and not fut.cancelled():
+                self._release(fut.result())
+            raise
+
+    def _release(self, slot: FakeSlot) -> None:
+        """server_slot::release() then server_queue::pop_deferred_task(slot.id)."""
+        if not slot.is_processing:
+            return
+        slot.is_processing = False
+        slot.t_last_used = time.monotonic()
+        slot.n_prompt_processed = slot.n_prompt_cached = slot.n_decoded = 0
+        slot.n_predict = -1
+        if not self._deferred:
+            return
+        ticket = next((t for t in self._deferred if t.id_slot == slot.id), self._deferred[0])
+        self._deferred.remove(ticket)
+        if ticket.future.done():
+            return
+        if not self._try_run(ticket):
+            self._defer(ticket)
+
+    # ----------------------------------------------------------------- middleware
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        body: Any = None
+        if request.can_read_body:
+            raw = await request.read()
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                body = raw.decode(errors="replace")
+        self.requests.append((request.method, request.path_qs, body))
+        if self.api_key is not None and request.path not in PUBLIC_PATHS:
+            key = request.headers.get("Authorization") or request.headers.get("X-Api-Key", "")
+            key = key.removeprefix("Bearer ")
+            if key != self.api_key:
+                return error_response("Invalid API Key", "authentication_error")
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
+            return error_response("File Not Found", "not_found_error")
+        except _RequestError as err:
+            return error_response(err.message, err.kind, **err.extra)
+
+    @staticmethod
+    async def _body(request: web.Request) -> Json:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as err:
+            raise _RequestError(f"[json.exception.parse_error] {err}") from err
+        if not isinstance(body, dict):
+            raise _RequestError("request body must be a JSON object")
+        return body
+
+    # ----------------------------------------------------------------- simple routes
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _props(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "default_generation_settings": {"params": {}, "n_ctx": self.n_ctx},
+                "total_slots": self.n_slots,
+                "model_alias": self.model_name,
+                "model_path": self.model_path,
+                "chat_template": "fake",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "build_info": "fake",
+                "is_sleeping": False,
+            }
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        info = {
+            "id": self.model_name,
+            "aliases": [],
+            "tags": [],
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "llamacpp",
+            "meta": {"n_vocab": N_VOCAB, "n_ctx": self.n_ctx, "n_ctx_train": self.n_ctx},
+        }
+        models = [{"name": self.model_name, "model": self.model_name, "type": "model"}]
+        return web.json_response({"models": models, "object": "list", "data": [info]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens: list[Any] = []
+        if "content" in body:
+            tokens = tokenize_mixed(body["content"], bool(body.get("add_special", False)))
+            if body.get("with_pieces", False):
+                tokens = [{"id": t, "piece": detokenize([t])} for t in tokens]
+        return web.json_response({"tokens": tokens})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return web.json_response({"content": detokenize(list(body.get("tokens", [])))})
+
+    async def _apply_template(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        add_gen = bool(body.get("add_generation_prompt", True))
+        return web.json_response({"prompt": render_chat(body.get("messages", []), add_gen)})
+
+    async def _get_slots(self, request: web.Request) -> web.Response:
+        if not self.slots_endpoint:
+            return error_response(
+                "This server does not support slots endpoint. Start it with `--slots`",
+                "not_supported_error",
+            )
+        if request.query.get("fail_on_no_slot") and all(s.is_processing for s in self.slots):
+            return error_response("no slot available", "unavailable_error")
+        return web.json_response([slot.to_json() for slot in self.slots])
+
+    # ----------------------------------------------------------------- slot actions
+
+    async def _post_slot(self, request: web.Request) -> web.Response:
+        if self.slot_save_path is None:
+            return error_response(
+                "This server does not support slots action. Start it with `--slot-save-path`",
+                "not_supported_error",
+            )
+        action = request.query.get("action", "")
+        try:
+            id_slot = int(request.match_info["id_slot"])
+        except ValueError:
+            return error_response("Invalid slot ID")
+        filename: str | None = None
+        if action in ("save", "restore"):
+            filename = (await self._body(request)).get("filename")
+            if not isinstance(filename, str):
+                return error_response("[json.exception.out_of_range.403] key 'filename' not found")
+            if not validate_filename(filename):
+                self.actions.append((action, _wrap(id_slot, self.n_slots), filename, False))
+                return error_response("Invalid filename")
+        run: Callable[[FakeSlot], tuple[int, Json]]
+        if action == "save":
+            assert filename is not None
+            run = lambda slot: self._save(slot, id_slot, filename)  # noqa: E731
+        elif action == "restore":
+            assert filename is not None
+            run = lambda slot: self._restore(slot, id_slot, filename)  # noqa: E731
+        elif action == "erase":
+            run = lambda slot: self._erase(slot, id_slot)  # noqa: E731
+        else:
+            return error_response("Invalid action")
+        # the queue matches deferred tasks on the task's id_slot, which slot actions leave at
+        # -1: a deferred action is only popped when no deferred task names the freed slot
+        target = _wrap(id_slot, self.n_slots)
+        future = asyncio.get_running_loop().create_future()
+        ticket = _Ticket(id_slot=-1, prompt=[], future=future, action=run, target=target)
+        status, payload = await self._submit(ticket)
+        if self.action_delay:
+            await asyncio.sleep(self.action_delay)  # the file is written; the reply is late
+        self.actions.append((action, target, filename, status == 200))
+        return web.json_response(payload, status=status)
+
+    def _save(self, slot: FakeSlot, id_slot: int, filename: str) -> tuple[int, Json]:
+        assert self.slot_save_path is not None
+        t0 = time.perf_counter()
+        path = self.slot_save_path / filename
+        n = len(slot.tokens)
+        words = [-1, TOKENS_STATE_VERSION, n, *slot.tokens, 0]
+        kv = struct.pack("<I", n) + b"".join(
+            struct.pack("<4i", tok, pos, tok ^ pos, KV_MAGIC) for pos, tok in enumerate(slot.tokens)
+        )
+        data = struct.pack(f"<III{len(words)}i", STATE_MAGIC, STATE_VERSION, len(words), *words)
+        data += kv
+        try:
+            if self.fail_saves:  # ENOSPC halfway: llama.cpp leaves the partial file behind
+                path.write_bytes(data[: len(data) // 2])
+                raise OSError("No space left on device")
+            path.write_bytes(data)
+            if self.write_sidecar:
+                side = b"FAKECKPT" + struct.pack("<I", n)
+                Path(str(path) + SIDECAR_SUFFIX).write_bytes(side.ljust(SIDECAR_SIZE, b"\0"))
+        except OSError:
+            return 500, error_json("Unable to save slot", "server_error")
+        return 200, {
+            "id_slot": id_slot,
+            "filename": filename,
+            "n_saved": n,
+            "n_written": len(data),
+            "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+        }
+
+    def _read_state(self, path: Path, n_ctx: int) -> tuple[list[int], int]:
+        """llama_state_seq_load_file + server_tokens::deserialize; raises ValueError."""
+        bad_file = "No available space in KV cache or invalid slot save file"
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise ValueError(bad_file) from err
+        if len(data) < 12:
+            raise ValueError(bad_file)
+        magic, version, n_words = struct.unpack_from("<III", data, 0)
+        if magic != STATE_MAGIC or version != STATE_VERSION or 12 + 4 * n_words > len(data):
+            raise ValueError(bad_file)
+        words = list(struct.unpack_from(f"<{n_words}i", data, 12))
+        off = 12 + 4 * n_words
+        if len(data) < off + 4:
+            raise ValueError(bad_file)
+        (n_cells,) = struct.unpack_from("<I", data, off)
+        kv_end = off + 4 + KV_BYTES_PER_TOKEN * n_cells
+        if len(data) < kv_end or n_cells > n_ctx:
+            raise ValueError(bad_file)
+        if words and words[0] == -1:
+            if len(words) < 3 or words[1] != TOKENS_STATE_VERSION:
+                raise ValueError("Unsupported server tokens state version")
+            n_tok = words[2]
+            if n_tok < 0 or len(words) < 4 + n_tok:
+                raise ValueError("Cannot read server tokens state")
+            tokens = words[3 : 3 + n_tok]
+            if words[3 + n_tok] != 0:
+                raise ValueError("Cannot restore media tokens without an mmproj")
+            if len(words) > 4 + n_tok:
+                raise ValueError("Trailing data in server tokens state")
+        else:
+            tokens = words  # plain token list, as written by older servers
+        if n_cells != len(tokens):
+            raise ValueError(bad_file)
+        if len(tokens) > n_ctx:
+            raise ValueError("Restored prompt does not fit in the slot context")
+        if any(not 0 <= t < N_VOCAB for t in tokens):
+            raise ValueError("Invalid tokens in slot save file")
+        if self.write_sidecar and not Path(str(path) + SIDECAR_SUFFIX).is_file():
+            raise ValueError("failed to load context checkpoints")
+        return tokens, kv_end
+
+    def _restore(self, slot: FakeSlot, id_slot: int, filename: str) -> tuple[int, Json]:
+        assert self.slot_save_path is not None
+        t0 = time.perf_counter()
+        try:
+            tokens, n_read = self._read_state(self.slot_save_path / filename, slot.n_ctx)
+        except ValueError as err:
+            slot.clear()
+            return 400, error_json(f"Unable to restore slot: {err}", "invalid_request_error")
+        slot.tokens = tokens
+        slot.restored = True
+        return 200, {
+            "id_slot": id_slot,
+            "filename": filename,
+            "n_restored": len(tokens),
+            "n_read": n_read,
+            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+        }
+
+    def _erase(self, slot: FakeSlot, id_slot: int) -> tuple[int, Json]:
+        n_erased = len(slot.tokens)
+        slot.clear()
+        return 200, {"id_slot": id_slot, "n_erased": n_erased}
+
+    # ----------------------------------------------------------------- completions
+
+    def _job(self, body: Json, prompt: list[int], reply: str, *limit_keys: str) -> _Job:
+        if not prompt:
+            raise _RequestError("empty prompt")
+        if any(not 0 <= t < N_VOCAB for t in prompt):
+            raise _RequestError("Prompt contains invalid tokens")
+        n_predict = -1
+        for key in limit_keys:
+            if body.get(key) is not None:
+                n_predict = int(body[key])
+                break
+        stream = bool(body.get("stream", False))
+        return _Job(
+            prompt=prompt,
+            generated=[*tokenize(reply), EOS],
+            n_predict=n_predict,
+            id_slot=int(body.get("id_slot", -1)),
+            cache_prompt=bool(body.get("cache_prompt", True)),
+            stream=stream,
+            params={"n_predict": n_predict, "stream": stream, "id_slot": body.get("id_slot", -1)},
+        )
+
+    async def _launch(self, job: _Job) -> _Run:
+        """Queue the task, get its slot and decide how much of the prompt is reused."""
+        future = asyncio.get_running_loop().create_future()
+        slot: FakeSlot = await self._submit(_Ticket(job.id_slot, job.prompt, future))
+        run = _Run(slot=slot, job=job)
+        slot.id_task = self._new_id()
+        slot.n_predict, slot.params = job.n_predict, job.params
+        n_prompt = len(job.prompt)
+        if n_prompt >= slot.n_ctx:
+            self._finish(run)
+            raise _RequestError(
+                f"request ({n_prompt} tokens) exceeds the available context size "
+                f"({slot.n_ctx} tokens), try increasing it",
+                "exceed_context_size_error",
+                n_prompt_tokens=n_prompt,
+                n_ctx=slot.n_ctx,
+            )
+        n_past = common_prefix(slot.tokens, job.prompt) if job.cache_prompt else 0
+        if slot.restored and n_past > 0:
+            extends = n_past == len(slot.tokens) and n_prompt > len(slot.tokens)
+            if self.reuse == "none" or (self.reuse == "extend" and not extends):
+                n_past = 0  # no context checkpoint to go back to after a restore
+        n_past = min(n_past, n_prompt - 1)  # at least one token is always evaluated
+        slot.restored = False
+        slot.tokens = slot.tokens[:n_past]
+        slot.n_prompt_cached, slot.n_prompt_processed, slot.n_decoded = n_past, 0, 0
+        run.cache_n = n_past
+        return run
+
+    async def _prefill(self, run: _Run) -> None:
+        t0 = time.perf_counter()
+        rest = run.job.prompt[run.cache_n :]
+        for i in range(0, len(rest), N_BATCH):
+            chunk = rest[i : i + N_BATCH]
+            if self.prompt_delay > 0:
+                await asyncio.sleep(self.prompt_delay * len(chunk))
+            run.slot.tokens.extend(chunk)
+            run.slot.n_prompt_processed += len(chunk)
+        run.t_prompt_ms = (time.perf_counter() - t0) * 1e3
+
+    def _planned(self, job: _Job) -> Iterator[int]:
+        """What the model samples: the reply, then EOS. With ignore_eos EOS is never sampled and
+        the model goes on saying its reply again."""
+        if not self.ignore_eos:
+            return iter(job.generated)
+        return itertools.cycle(job.generated[:-1] or tokenize(" "))
+
+    async def _generate(self, run: _Run) -> AsyncIterator[int]:
+        """Sample the planned tokens; the KV holds each sampled token but the last one."""
+        job, slot = run.job, run.slot
+        n_max = None if job.n_predict < 0 else max(job.n_predict, 1)
+        t0 = time.perf_counter()
+        for tok in itertools.islice(self._planned(job), n_max):
+            if self.token_delay > 0:
+                await asyncio.sleep(self.token_delay)
+            if run.sampled:
+                slot.tokens.append(run.sampled[-1])
+            run.sampled.append(tok)
+            slot.n_decoded += 1
+            run.t_gen_ms = (time.perf_counter() - t0) * 1e3
+            yield tok
+            if len(job.prompt) + len(run.sampled) >= slot.n_ctx:
+                break  # out of context: stops like a length limit
+
+    def _finish(self, run: _Run) -> None:
+        if not run.released:
+            run.released = True
+            self._release(run.slot)
+
+    async def _drive(self, request: web.Request, job: _Job, fmt: _Format) -> web.StreamResponse:
+        run = await self._launch(job)
+        try:
+            resp: web.StreamResponse | None = None
+            if job.stream:  # headers go out as soon as the task is on a slot
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await resp.prepare(request)
+            await self._prefill(run)
+            async for tok in self._generate(run):
+                if resp is not None:
+                    for event in fmt.stream_events(run, tok):
+                        await resp.write(event)
+            self._finish(run)  # the slot is idle before the client sees the end
+            if resp is None:
+                return web.json_response(fmt.final(run))
+            for event in fmt.final_stream(run):
+                await resp.write(_sse(event))
+            if fmt.done_marker:
+                await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self._finish(run)
+
+    def _cmpl_id(self) -> str:
+        return f"chatcmpl-fake{self._next_id + 1:019d}"
+
+    async def _prompt_job(self, request: web.Request) -> _Job:
+        body = await self._body(request)
+        if "prompt" not in body:
+            raise _RequestError('"prompt" is required')
+        prompt = tokenize_mixed(body["prompt"], add_special=True)
+        reply = self.reply(
+            [{"role": "user", "content": token_bytes(prompt).decode("utf-8", "replace")}]
+        )
+        return self._job(body, prompt, reply, "n_predict", "max_tokens")
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        job = await self._prompt_job(request)
+        return await self._drive(request, job, _CompletionFormat(self.model_name, self._cmpl_id()))
+
+    async def _completion_oai(self, request: web.Request) -> web.StreamResponse:
+        job = await self._prompt_job(request)
+        fmt = _OaiCompletionFormat(self.model_name, f"cmpl-fake{self._next_id + 1:019d}")
+        return await self._drive(request, job, fmt)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _RequestError("'messages' is required and must be a non-empty array")
+        text = render_chat(messages, bool(body.get("add_generation_prompt", True)))
+        prompt = tokenize(text, add_special=True)
+        tools = body.get("tools") or []
+        use_tools = bool(tools) and body.get("tool_choice") != "none"
+        kwargs = body.get("chat_template_kwargs") or {}
+        thinking = kwargs.get("enable_thinking") is True
+        raw = THINK_OPEN + REASONING_TEXT + THINK_CLOSE if thinking else ""
+        last = messages[-1]
+        if (
+            use_tools
+            and last.get("role") == "user"
+            and TOOL_TRIGGER in content_text(last.get("content"))
+        ):
+            name = (tools[0].get("function") or {}).get("name", "tool")
+            call = json.dumps({"name": name, "arguments": TOOL_ARGUMENTS})
+            raw += f"{TOOL_OPEN}\n{call}\n{TOOL_CLOSE}"
+        else:
+            raw += self.reply(messages)
+        job = self._job(body, prompt, raw, "n_predict", "max_completion_tokens", "max_tokens")
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        fmt = _ChatFormat(
+            self.model_name,
+            self._cmpl_id(),
+            thinking=thinking and body.get("reasoning_format") != "none",
+            tools=use_tools,
+            call_id=lambda i: f"call_{digest[:20]}{i:04d}",
+            include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+        )
+        return await self._drive(request, job, fmt)
+
+
+# --------------------------------------------------------------------------- as a process
+
+
+async def _serve(fake: FakeLlamaServer, port: int) -> None:
+    """Until SIGTERM or SIGINT (how benchmarks stop their helper processes)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await fake.start(port)
+    try:
+        await stop.wait()
+    finally:
+        await fake.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvproxy.testing.fakeserver",
+        description="A fake llama-server that answers at once (no prompt or token delays).",
+    )
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--parallel", type=int, default=1, help="slots (llama-server -np)")
+    parser.add_argument("--ctx-size", type=int, default=4096, help="context tokens per slot")
+    parser.add_argument(
+        "--slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /slots (--no-slots: 501, as llama-server --no-slots)",
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="every reply runs to its max_tokens"
+    )
+    args = parser.parse_args(argv)
+    fake = FakeLlamaServer(
+        n_slots=args.parallel,
+        n_ctx=args.ctx_size,
+        slots_endpoint=args.slots,
+        ignore_eos=args.ignore_eos,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(fake, args.port))
+
+
+if __name__ == "__main__":
+    main()
