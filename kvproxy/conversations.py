@@ -134,11 +134,12 @@ class Conversations:
                 result = await relay(
                     request,
                     self.backend.upstream,
-                    path_qs,
+                    adapter.upstream_path(path_qs),
                     adapter.pinned(conv.payload, slot.id),
                     body_replaced=True,
                     extra_headers=prepared.headers(),
                     tap=capture.feed,
+                    translator=adapter.translator(conv),
                 )
             except BaseException:
                 slot.forget()  # cut off mid-reply: the slot holds something we cannot name

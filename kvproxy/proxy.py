@@ -20,6 +20,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .relay import relay
 from .requestlog import RequestLog
 from .upstream import Upstream
+from .wire import WireAdapter
 from .wire.chat import ChatAdapter
 
 log = logging.getLogger("kvproxy.proxy")
@@ -64,7 +65,9 @@ class Service:
         self.cache = ConversationCache(settings, self.upstream, self.events)
         self.metrics.watch(self.cache)
         self.events.listeners += [self.metrics, RequestLog()]
-        self.chat = ChatAdapter(settings.keep_reasoning)
+        chat = ChatAdapter(settings.keep_reasoning)
+        # Routes the cache keys, each with the adapter that reads its wire format.
+        self.keyed: dict[str, WireAdapter] = dict.fromkeys(CHAT_PATHS, chat)
 
     def stats(self) -> dict[str, Any]:
         """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
@@ -168,9 +171,10 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 
     if request.method == "POST":
         cache = service.cache
-        if path in CHAT_PATHS:
+        adapter = service.keyed.get(path)
+        if adapter is not None:
             path_qs = _path_qs(path, request)
-            return await cache.conversations.handle_keyed(request, path_qs, service.chat)
+            return await cache.conversations.handle_keyed(request, path_qs, adapter)
         if path in PINNABLE_PATHS:
             return await cache.unkeyed.handle_pinned(request, _path_qs(path, request))
         if path in UNPINNABLE_PATHS:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -13,6 +14,9 @@ from multidict import CIMultiDict
 
 from .errors import error_response, sse_error_event
 from .upstream import Upstream
+
+if TYPE_CHECKING:
+    from .wire import Translator
 
 log = logging.getLogger("kvproxy.relay")
 
@@ -77,10 +81,13 @@ async def relay(
     body_replaced: bool,
     extra_headers: Mapping[str, str] | None = None,
     tap: Callable[[bytes], None] | None = None,
+    translator: Translator | None = None,
 ) -> RelayResult:
-    """Forward `request` (with `data` as its body) and stream the reply back unchanged.
+    """Forward `request` (with `data` as its body) and stream the reply back unchanged, or,
+    with a `translator`, as it rewrites each chunk (a successful reply only).
 
-    `tap` sees every chunk after the client got it, so capturing a reply never delays a byte.
+    `tap` sees every upstream chunk after the client got it, so capturing a reply never
+    delays a byte.
     """
     headers = request_headers(request.headers, upstream, drop_length=body_replaced)
     try:
@@ -102,25 +109,36 @@ async def relay(
 
     complete = False
     try:
+        if up.status != 200:
+            translator = None  # errors are the server's own: the client sees them as they are
         resp = web.StreamResponse(status=up.status, reason=up.reason)
         resp.headers.extend(response_headers(up.headers))
+        if translator is not None:
+            resp.headers.popall("Content-Length", None)
         if extra_headers:
             resp.headers.update(extra_headers)
         await resp.prepare(request)
         try:
             async for chunk in up.content.iter_any():
-                await resp.write(chunk)
+                await resp.write(chunk if translator is None else translator.feed(chunk))
                 if tap is not None:
                     tap(chunk)
+            if translator is not None:
+                await resp.write(translator.finish())
             complete = True
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             # The server went away mid-reply. Headers are out, so the status cannot change.
             log.warning("upstream broke off %s %s: %s", request.method, path_qs, exc)
-            if _ends_as_error_event(up.headers):
+            message = f"llama-server broke off the reply: {exc}"
+            if translator is not None:
+                last = translator.broke_off(message)
+            else:
+                last = sse_error_event(message) if _ends_as_error_event(up.headers) else None
+            if last is not None and "Content-Length" not in up.headers:
                 # An event stream ends with an error event and a properly terminated body:
                 # clients show the error instead of failing to read the response.
                 with contextlib.suppress(ConnectionError, RuntimeError):
-                    await resp.write(sse_error_event(f"llama-server broke off the reply: {exc}"))
+                    await resp.write(last)
                     await resp.write_eof()
                     return RelayResult(resp, up.status, False)
         if complete:
@@ -138,9 +156,6 @@ async def relay(
 
 
 def _ends_as_error_event(headers: Mapping[str, str]) -> bool:
-    """An SSE body we relay chunked: with a Content-Length the client expects exactly that
-    many bytes, so an error event would not make the body whole."""
-    return (
-        headers.get("Content-Type", "").startswith("text/event-stream")
-        and "Content-Length" not in headers
-    )
+    """An SSE body (relayed chunked: with a Content-Length the client expects exactly that
+    many bytes, so an error event would not make the body whole)."""
+    return headers.get("Content-Type", "").startswith("text/event-stream")

@@ -83,6 +83,11 @@ class Slot:
     def mark_saved(self) -> None:
         self.saved = True
 
+    def mark_canonical(self) -> None:
+        """The slot now holds exactly its conversation's canonical prefix (canonical.py)."""
+        if self.holding is not None:
+            self.holding.canonical = True
+
     def observe(self, info: SlotInfo, count_tokens: bool = False) -> None:
         """What GET /slots shows now is what our own last use left: later differences mean
         someone else used or wiped the slot. `count_tokens`: the holding's size is what the

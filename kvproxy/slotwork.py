@@ -187,7 +187,7 @@ class SlotWork:
             await self.verify(slot)  # forgets the holding if the slot changed after all
             return
         await self.snapshot(slot)
-        holding.canonical = True
+        slot.mark_canonical()
         log.debug(
             "slot %d: canonical prefix of %s is %d tokens (%s evaluated) in %.0f ms",
             slot.id,

@@ -32,9 +32,26 @@ class NotKeyed:
 
 
 class Capture(Protocol):
+    """Fed the upstream reply's bytes as they pass; makes sense of them afterwards. The
+    Reply's `timings` carry `cache_n`/`prompt_n` (from `usage` where the API has no timings)."""
+
     def feed(self, chunk: bytes) -> None: ...
 
     def finish(self) -> Reply | None: ...
+
+
+class Translator(Protocol):
+    """Turns the upstream reply into the client's wire format, chunk by chunk (for an API the
+    server cannot pin, whose requests go to one it can)."""
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+    def broke_off(self, message: str) -> bytes | None:
+        """The last bytes of a reply the server broke off (an error event), or None when the
+        body must be cut short instead."""
+        ...
 
 
 class WireAdapter(Protocol):
@@ -46,6 +63,14 @@ class WireAdapter(Protocol):
 
     def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
         """The body to forward, pinned to the slot."""
+        ...
+
+    def upstream_path(self, path_qs: str) -> str:
+        """Where the pinned request goes on the server."""
+        ...
+
+    def translator(self, conversation: Conversation) -> Translator | None:
+        """None: the server's reply goes to the client unchanged."""
         ...
 
     def capture(self, conversation: Conversation) -> Capture: ...

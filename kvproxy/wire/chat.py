@@ -36,6 +36,12 @@ class ChatAdapter:
     def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
         return orjson.dumps({**payload, "id_slot": slot_id})
 
+    def upstream_path(self, path_qs: str) -> str:
+        return path_qs
+
+    def translator(self, conversation: Conversation) -> None:
+        return None
+
     def capture(self, conversation: Conversation) -> ReplyCapture:
         return ReplyCapture(streaming=bool(conversation.payload.get("stream")))
 
