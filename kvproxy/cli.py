@@ -26,8 +26,9 @@ from .requestlog import JsonFormatter
 
 log = logging.getLogger("kvproxy")
 
-# Modules that add subcommands. They keep heavy imports (matplotlib…) inside their commands.
-SUBCOMMANDS = ("kvproxy.doctor", "kvproxy.inventory", "kvproxy.bench.command")
+# Modules that add subcommands. They keep heavy imports (matplotlib…) inside their commands;
+# bench's flags live outside kvproxy.bench, so no other command loads the benchmarks.
+SUBCOMMANDS = ("kvproxy.doctor", "kvproxy.inventory", "kvproxy.cli_bench")
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"

@@ -1,4 +1,5 @@
-"""`kvproxy bench SCENARIO`: workload, restore, overhead, load, or all of them.
+"""`kvproxy bench SCENARIO`: workload, restore, overhead, load, or all of them. The flags are
+defined in kvproxy/cli_bench.py (parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -17,69 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from . import load, overhead, restore, targets, workload
-from .arms import ALL_ARMS, KVPROXY, BenchEnv
+from .arms import ALL_ARMS, BenchEnv
 from .report import header, header_lines, progress, write_json
 
 SCENARIOS = ("workload", "restore", "overhead", "load")
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    bench = sub.add_parser(
-        "bench",
-        help="benchmarks: kvproxy vs llama-server's RAM cache vs no cache",
-        description=(
-            "Run the same work through llama-server without a cache, with its RAM prompt "
-            "cache, and through kvproxy; print tables and ratios. Starts its own servers. "
-            "Flags after `--` go to every llama-server."
-        ),
-    )
-    scenarios = bench.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
-
-    p = scenarios.add_parser("workload", help="N conversations × T turns through S slots")
-    _common(p)
-    d = workload.WorkloadOptions()
-    p.add_argument("--conversations", type=int, default=d.conversations, help="N")
-    p.add_argument("--turns", type=int, default=d.turns, help="T")
-    p.add_argument("--slots", type=int, default=d.slots, help="S")
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="reply length")
-    p.add_argument("--restart", action="store_true", help="add the case with restarts")
-    p.add_argument("--arms", default=",".join(ALL_ARMS), help="comma-separated arms")
-
-    p = scenarios.add_parser("restore", help="TTFT restored vs re-prefilled, by size")
-    _common(p)
-    p.add_argument("--max-ctx", type=int, default=8192, help="largest size (1k, 2k, … up to it)")
-    p.add_argument("--sizes", default=None, help="comma-separated sizes instead")
-    p.add_argument("--repeats", type=int, default=restore.RestoreOptions.repeats)
-
-    p = scenarios.add_parser("overhead", help="the proxy's own cost on a fake upstream")
-    _common(p)
-    o = overhead.OverheadOptions()
-    p.add_argument("--requests", type=int, default=o.requests, help="small requests per path")
-    p.add_argument("--sse-events", type=int, default=o.sse_events)
-
-    p = scenarios.add_parser("load", help="C clients × M conversations through S slots")
-    _common(p)
-    lo = load.LoadOptions()
-    p.add_argument("--clients", type=int, default=lo.clients, help="C")
-    p.add_argument("--conversations", type=int, default=lo.conversations, help="M")
-    p.add_argument("--slots", type=int, default=lo.slots, help="S")
-    p.add_argument("--turns", type=int, default=lo.turns)
-    p.add_argument("--arms", default=KVPROXY, help="comma-separated arms")
-
-    p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
-    _common(p)
-    p.add_argument("--max-ctx", type=int, default=8192, help="restore: largest size")
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="GGUF path (default: bundled Gemma 3 270M)")
-    p.add_argument("--server-bin", type=Path, default=None, help="llama-server binary")
-    p.add_argument("--threads", type=int, default=None, help="llama-server --threads (all cores)")
-    p.add_argument("--out", type=Path, default=None, help="write benchmarks.md, img/, json here")
-    p.add_argument("--workdir", type=Path, default=None, help="cache dirs and logs (temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the work dir")
-    p.set_defaults(func=run, server_args=[])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +47,11 @@ def _sizes(args: argparse.Namespace) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return tuple(sizes)
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The scenario flags among `names` that were given: the others keep their defaults."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def _arms(text: str) -> tuple[str, ...]:
@@ -134,21 +81,18 @@ async def _run(args: argparse.Namespace) -> int:
             if name == "workload":
                 wopts = workload.WorkloadOptions(restart=True)
                 if args.scenario == "workload":
-                    wopts = workload.WorkloadOptions(
-                        conversations=args.conversations,
-                        turns=args.turns,
-                        slots=args.slots,
-                        prompt_tokens=args.prompt_tokens,
-                        max_tokens=args.max_tokens,
-                        restart=args.restart,
-                        arms=_arms(args.arms),
+                    given = _given(
+                        args, "conversations", "turns", "slots", "prompt_tokens", "max_tokens"
                     )
+                    wopts = workload.WorkloadOptions(**given, restart=args.restart)
+                    if args.arms is not None:
+                        wopts.arms = _arms(args.arms)
                 res: Any = await workload.run_workload(env, wopts)
                 text = workload.markdown(res)
                 checks += targets.workload_checks(res)
             elif name == "restore":
                 ropts = restore.RestoreOptions(sizes=_sizes(args))
-                if args.scenario == "restore":
+                if args.scenario == "restore" and args.repeats is not None:
                     ropts.repeats = args.repeats
                 res = await restore.run_restore(env, ropts)
                 text = restore.markdown(res)
@@ -156,7 +100,7 @@ async def _run(args: argparse.Namespace) -> int:
             elif name == "overhead":
                 oopts = overhead.OverheadOptions()
                 if args.scenario == "overhead":
-                    oopts.requests, oopts.sse_events = args.requests, args.sse_events
+                    oopts = overhead.OverheadOptions(**_given(args, "requests", "sse_events"))
                 res = await overhead.run_overhead(env, oopts)
                 text = overhead.markdown(res)
                 checks += targets.overhead_checks(res)
@@ -164,12 +108,10 @@ async def _run(args: argparse.Namespace) -> int:
                 lopts = load.LoadOptions()
                 if args.scenario == "load":
                     lopts = load.LoadOptions(
-                        clients=args.clients,
-                        conversations=args.conversations,
-                        slots=args.slots,
-                        turns=args.turns,
-                        arms=_arms(args.arms),
+                        **_given(args, "clients", "conversations", "slots", "turns")
                     )
+                    if args.arms is not None:
+                        lopts.arms = _arms(args.arms)
                 res = await load.run_load(env, lopts)
                 text = load.markdown(res)
                 checks += targets.load_checks(res)

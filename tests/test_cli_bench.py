@@ -1,0 +1,129 @@
+"""`kvproxy bench` stays a full command, yet no other command loads a benchmark module: `serve`
+runs without kvproxy.bench (nor the fake llama-server of kvproxy.testing) in memory.
+
+What a command imports is checked in a fresh interpreter: this one has imported the
+benchmarks for other tests."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvproxy import cli
+
+from .fakeserver import FakeLlamaServer
+
+PACKAGE = Path(cli.__file__).parent
+NOT_AT_RUNTIME = ("kvproxy.bench", "kvproxy.testing")
+
+# Runs `kvproxy serve ARGS…` as the console script does; once the proxy is listening (its
+# "ready" line), prints the kvproxy.bench / kvproxy.testing modules loaded and exits at once.
+SERVE_UNTIL_READY = """
+import json, logging, os, sys
+from kvproxy import cli
+
+class Ready(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("kvproxy ready"):
+            loaded = [m for m in sys.modules if m.startswith(("kvproxy.bench", "kvproxy.testing"))]
+            print(json.dumps(sorted(loaded)), flush=True)
+            os._exit(0)
+
+logging.getLogger("kvproxy").addHandler(Ready())
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+async def test_serve_loads_no_benchmark_module(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPROXY_")}
+    async with FakeLlamaServer(slot_save_path=tmp_path) as fake:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            SERVE_UNTIL_READY,
+            *("serve", "--upstream", fake.url, "--port", "0", "--cache-dir", str(tmp_path)),
+            *("--log-level", "info"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0 and out, err.decode()
+    assert json.loads(out) == []
+
+
+def _imported(tree: ast.Module) -> list[tuple[str, int]]:
+    """Absolute names of what a kvproxy/*.py module imports, with their line numbers."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "kvproxy." * (node.level == 1) + (node.module or "")
+            names = [base] if node.module else [f"{base}{a.name}" for a in node.names]
+            found += [(name, node.lineno) for name in names]
+    return found
+
+
+def test_runtime_modules_import_no_benchmark_or_fake() -> None:
+    """No module of the runtime (kvproxy/*.py) imports them, even lazily, except cli_bench's
+    `run`: the bench command itself."""
+    offenders = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if path.name == "cli_bench.py":
+            tree.body = [
+                n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name == "run")
+            ]
+        for name, line in _imported(tree):
+            if name.startswith(NOT_AT_RUNTIME):
+                offenders.append(f"{path.name}:{line}: {name}")
+    assert offenders == []
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(["bench", "--help"], capsys)
+    for scenario in ("workload", "restore", "overhead", "load", "all"):
+        assert scenario in text
+
+
+@pytest.mark.parametrize(
+    ("scenario", "flags"),
+    [
+        ("workload", ["--conversations", "--turns", "--slots", "--prompt-tokens", "--restart"]),
+        ("restore", ["--max-ctx", "--sizes", "--repeats"]),
+        ("overhead", ["--requests", "--sse-events"]),
+        ("load", ["--clients", "--conversations", "--slots", "--turns", "--arms"]),
+        ("all", ["--max-ctx"]),
+    ],
+)
+def test_bench_scenario_help_lists_its_flags(
+    scenario: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = _help(["bench", scenario, "--help"], capsys)
+    for flag in [*flags, "--model", "--server-bin", "--threads", "--out", "--workdir", "--keep"]:
+        assert flag in text
+
+
+def test_bench_flags_left_out_keep_the_scenario_defaults() -> None:
+    """None means "the options dataclass decides": the defaults are written down once."""
+    args = cli.build_parser().parse_args(["bench", "overhead", "--requests", "7"])
+    assert (args.requests, args.sse_events, args.func.__module__) == (7, None, "kvproxy.cli_bench")
