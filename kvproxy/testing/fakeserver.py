@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 BOS = 2
 EOS = 1
@@ -851,7 +852,7 @@ class FakeLlamaServer:
     # ----------------------------------------------------------------- middleware
 
     @web.middleware
-    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         body: Any = None
         if request.can_read_body:
             raw = await request.read()
@@ -861,7 +862,7 @@ class FakeLlamaServer:
                 body = raw.decode(errors="replace")
         self.requests.append((request.method, request.path_qs, body))
         if self.api_key is not None and request.path not in PUBLIC_PATHS:
-            key = request.headers.get("Authorization") or request.headers.get("X-Api-Key", "")
+            key = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
             key = key.removeprefix("Bearer ")
             if key != self.api_key:
                 return error_response("Invalid API Key", "authentication_error")
@@ -1191,8 +1192,8 @@ class FakeLlamaServer:
             self._finish(run)  # the slot is idle before the client sees the end
             if resp is None:
                 return web.json_response(fmt.final(run))
-            for event in fmt.final_stream(run):
-                await resp.write(_sse(event))
+            for chunk in fmt.final_stream(run):
+                await resp.write(_sse(chunk))
             if fmt.done_marker:
                 await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
