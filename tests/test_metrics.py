@@ -87,8 +87,8 @@ async def test_metrics_match_what_happened(make: Maker) -> None:
         h_restored := proxy.stats()["restored_tokens"]
     )
     assert h_restored > 300
-    assert total(s_, "kvproxy_slot_action_bytes_sum", action="save") == (
-        proxy.stats()["saved_bytes"]
+    assert (
+        total(s_, "kvproxy_slot_action_bytes_sum", action="save") == (proxy.stats()["saved_bytes"])
     )
 
     cache_n = sum(b["timings"]["cache_n"] for b in bodies)

@@ -149,20 +149,20 @@ def summary_table(results: dict[str, Any]) -> str:
     if ov is not None:
         for m in ov.modes:
             if m.mode in (CACHE_ON, PASS_THROUGH):
-                s = m.summary()
+                om = m.summary()
                 rows.append(
                     [
                         f"proxy overhead ({m.mode}), fake upstream",
                         "—",
                         "—",
-                        f"+{s['added_p50_ms']:.2f} ms p50, +{s['added_p99_ms']:.2f} ms p99; "
-                        f"SSE {s['sse_proxied_eps']:,.0f} events/s",
+                        f"+{om['added_p50_ms']:.2f} ms p50, +{om['added_p99_ms']:.2f} ms p99; "
+                        f"SSE {om['sse_proxied_eps']:,.0f} events/s",
                     ]
                 )
     ld: LoadResult | None = results.get("load")
     if ld is not None:
         for a in ld.arms:
-            s = a.summary()
+            la = a.summary()
             o = ld.options
             rows.append(
                 [
@@ -170,8 +170,8 @@ def summary_table(results: dict[str, Any]) -> str:
                     f"through {o['slots']} slots",
                     "—",
                     "—",
-                    f"{s['errors']} errors, {'stall' if s['stalled'] else 'no stall'}, "
-                    f"wait p99 {s['wait_p99_ms'] / 1000:.1f} s",
+                    f"{la['errors']} errors, {'stall' if la['stalled'] else 'no stall'}, "
+                    f"wait p99 {la['wait_p99_ms'] / 1000:.1f} s",
                 ]
             )
     return table(["measure", DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY], rows)
