@@ -108,7 +108,9 @@ class Conversations:
         conv = adapter.read(payload, self.backend.model_identity, tenant)
         if isinstance(conv, NotKeyed):
             log.debug("not caching %s: %s", path_qs, conv.reason)
-            return await self.unkeyed.forward_pinned(request, path_qs, payload)
+            if adapter.route_pins:
+                return await self.unkeyed.forward_pinned(request, path_qs, payload)
+            return await self.unkeyed.hold_all(request, path_qs, body)
 
         try:
             slot, _ = await self.pool.acquire(conv.keys, conv.namespace)

@@ -22,14 +22,18 @@ from .requestlog import RequestLog
 from .upstream import Upstream
 from .wire import WireAdapter
 from .wire.chat import ChatAdapter
+from .wire.messages import MessagesAdapter
+from .wire.responses import ResponsesAdapter
 
 log = logging.getLogger("kvproxy.proxy")
 
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
+# OpenAI Responses (Codex): the server converts it to chat and honours `id_slot`.
+RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})
+# Anthropic Messages: the server ignores `id_slot` there, so kvproxy sends it as chat.
+MESSAGES_PATHS = frozenset({"/v1/messages"})
 # Routes whose `id_slot` the server honours: pinned so the proxy's picture of slots stays true.
-PINNABLE_PATHS = frozenset(
-    {"/completion", "/completions", "/v1/completions", "/v1/responses", "/responses", "/infill"}
-)
+PINNABLE_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
 UNPINNABLE_PATHS = frozenset({"/v1/messages", "/v1/embeddings", "/embeddings", "/embedding"})
 
@@ -61,13 +65,17 @@ class Service:
         self.settings = settings
         self.upstream = Upstream(upstream_url, settings.api_key)
         self.events = Events()
-        self.metrics = Metrics(CHAT_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS)
+        self.metrics = Metrics(
+            CHAT_PATHS | MESSAGES_PATHS | RESPONSES_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS
+        )
         self.cache = ConversationCache(settings, self.upstream, self.events)
         self.metrics.watch(self.cache)
         self.events.listeners += [self.metrics, RequestLog()]
         chat = ChatAdapter(settings.keep_reasoning)
         # Routes the cache keys, each with the adapter that reads its wire format.
         self.keyed: dict[str, WireAdapter] = dict.fromkeys(CHAT_PATHS, chat)
+        self.keyed.update(dict.fromkeys(MESSAGES_PATHS, MessagesAdapter()))
+        self.keyed.update(dict.fromkeys(RESPONSES_PATHS, ResponsesAdapter(settings.keep_reasoning)))
 
     def stats(self) -> dict[str, Any]:
         """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""

@@ -70,7 +70,9 @@ class Unkeyed:
     async def handle_unpinnable(self, request: web.Request, path_qs: str) -> web.StreamResponse:
         """Routes that ignore `id_slot` (e.g. /v1/messages): the server picks a slot itself, so
         the proxy holds all of them, saves what would be lost, and re-reads them afterwards."""
-        body = await request.read()
+        return await self.hold_all(request, path_qs, await request.read())
+
+    async def hold_all(self, request: web.Request, path_qs: str, body: bytes) -> web.StreamResponse:
         if not self.backend.enabled:
             return (await self.relay_bypass(request, path_qs, body)).response
         try:

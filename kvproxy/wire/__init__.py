@@ -56,6 +56,9 @@ class Translator(Protocol):
 
 class WireAdapter(Protocol):
     name: str
+    # Whether the client's own route honours `id_slot` (a request not keyed is pinned there;
+    # otherwise it holds every slot while the server picks one).
+    route_pins: bool
 
     def read(
         self, payload: dict[str, Any], model_identity: str, tenant: str | None

@@ -14,6 +14,7 @@ from . import Conversation, NotKeyed
 
 class ChatAdapter:
     name = "chat"
+    route_pins = True
 
     def __init__(self, keep_reasoning: bool = False) -> None:
         self.keep_reasoning = keep_reasoning
