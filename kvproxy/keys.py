@@ -140,7 +140,13 @@ def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str | No
     raw = headers.get(tenant_header) if tenant_header else headers.get("Authorization")
     if not raw:
         return None
-    return _hash(b"kvproxy-tenant\0", raw.encode())
+    return _hash(b"kvproxy-tenant\0", header_bytes(raw))
+
+
+def header_bytes(value: str) -> bytes:
+    """A header value's bytes as the client sent them: aiohttp decodes bytes that are not
+    UTF-8 (`\\xff`) to lone surrogates, which a plain `.encode()` refuses."""
+    return value.encode("utf-8", "surrogateescape")
 
 
 def is_key(name: str) -> bool:

@@ -16,6 +16,7 @@ from .cache import ConversationCache
 from .config import Settings
 from .errors import error_response
 from .events import Events
+from .keys import header_bytes
 from .metrics import CONTENT_TYPE, Metrics
 from .relay import relay
 from .requestlog import RequestLog
@@ -117,8 +118,8 @@ def admin_refusal(request: web.Request, settings: Settings) -> web.Response | No
     if settings.loopback:
         return None
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
-    given = request.headers.get("Authorization", "")
-    if token is None or not hmac.compare_digest(given, f"Bearer {token}"):
+    given = header_bytes(request.headers.get("Authorization", ""))
+    if token is None or not hmac.compare_digest(given, f"Bearer {token}".encode()):
         return error_response(
             401,
             "kvproxy admin routes need `Authorization: Bearer <--admin-token>`.",
@@ -132,11 +133,11 @@ def client_refusal(request: web.Request, settings: Settings) -> web.Response | N
     sends llama-server its own key, so the server cannot tell clients apart any more."""
     if not settings.client_api_keys or request.path in ("/health", "/v1/health"):
         return None
-    given = request.headers.get("Authorization", "")
+    given = header_bytes(request.headers.get("Authorization", ""))
     ok = False
     for key in settings.client_api_keys:
         # Every key is compared, so the time taken does not tell which one nearly matched.
-        ok |= hmac.compare_digest(given.encode(), f"Bearer {key.get_secret_value()}".encode())
+        ok |= hmac.compare_digest(given, f"Bearer {key.get_secret_value()}".encode())
     if ok:
         return None
     return error_response(

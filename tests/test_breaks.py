@@ -1,0 +1,75 @@
+"""Breaks a red-team run found, each reproduced here against what the server alone does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import RealServer, RunningProxy, start_proxy
+
+CHAT = b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"temperature":0}'
+
+
+async def raw_request(
+    url: str, method: str, path: str, headers: bytes = b"", body: bytes = b""
+) -> tuple[int, bytes]:
+    """One request written byte for byte (header values aiohttp's client would not send)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n".encode()
+    if body:
+        head += b"Content-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n".encode()
+    writer.write(head + headers + b"\r\n" + body)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 120)
+    writer.close()
+    status = int(raw.split(b" ", 2)[1])
+    return status, raw.partition(b"\r\n\r\n")[2]
+
+
+@pytest.fixture
+async def rproxy(real_server: RealServer) -> AsyncIterator[RunningProxy]:
+    running = await start_proxy(real_server.url, real_server.cache_dir)
+    yield running
+    await running.stop()
+
+
+# --- (3) a header value that is not UTF-8
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("tenant_header", [None, "X-Tenant"])
+async def test_non_utf8_tenant_header_is_hashed_not_a_500(
+    real_server: RealServer, tmp_path: Path, tenant_header: str | None
+) -> None:
+    proxy = await start_proxy(real_server.url, real_server.cache_dir, tenant_header=tenant_header)
+    try:
+        name = (tenant_header or "Authorization").encode()
+        header = name + b": Bearer \xff\xfe\r\n"
+        direct, _ = await raw_request(real_server.url, "POST", "/v1/chat/completions", header, CHAT)
+        status, body = await raw_request(proxy.url, "POST", "/v1/chat/completions", header, CHAT)
+        assert direct == 200
+        assert status == 200, body[:300]
+    finally:
+        await proxy.stop()
+
+
+async def test_non_utf8_authorization_against_client_and_admin_keys(tmp_path: Path) -> None:
+    from .fakeserver import FakeLlamaServer
+
+    async with FakeLlamaServer(slot_save_path=tmp_path) as fake:
+        proxy = await start_proxy(
+            fake.url, tmp_path, host="0.0.0.0", client_api_keys="k1", admin_token="t"
+        )
+        try:
+            header = b"Authorization: Bearer \xff\xfe\r\n"
+            status, body = await raw_request(proxy.url, "GET", "/v1/models", header)
+            assert status == 401, body[:300]
+            status, body = await raw_request(proxy.url, "GET", "/kvproxy/stats", header)
+            assert status == 401, body[:300]
+        finally:
+            await proxy.stop()
