@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +76,60 @@ async def test_non_utf8_authorization_against_client_and_admin_keys(tmp_path: Pa
             assert status == 401, body[:300]
         finally:
             await proxy.stop()
+
+
+# --- (5) a FIFO in the cache dir
+
+
+def _unblock(fifo: Path) -> None:
+    """Give a reader stuck on `fifo` its EOF (if anyone opened it blocking)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # nobody is reading: nothing to unblock
+
+
+def _finishes(fn: Callable[[], Any], fifo: Path, within: float = 5.0) -> Any:
+    out: list[Any] = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(within)
+    stuck = worker.is_alive()
+    if stuck:
+        _unblock(fifo)
+        worker.join(5)
+    assert not stuck, f"blocked on the FIFO {fifo.name}"
+    return out[0]
+
+
+def test_fifo_index_record_neither_blocks_nor_loads(tmp_path: Path) -> None:
+    from kvproxy.store.files import StoreFiles
+
+    key = "ab" * 16
+    os.mkfifo(tmp_path / f"{key}.idx")
+    loaded = _finishes(lambda: StoreFiles(tmp_path).load(sweep=True), tmp_path / f"{key}.idx")
+    assert loaded.entries == [] and [k for k, _ in loaded.problems] == [key]
+    assert not (tmp_path / f"{key}.idx").exists()  # swept like any unreadable record
+
+
+def test_fifo_in_place_of_the_text_does_not_pin_a_thread(tmp_path: Path) -> None:
+    from kvproxy.store.files import StoreFiles
+
+    key = "cd" * 16
+    os.mkfifo(tmp_path / f"{key}.msgs")
+    files = StoreFiles(tmp_path)
+    assert _finishes(lambda: files.read_messages(key), tmp_path / f"{key}.msgs") is None
+    assert _finishes(lambda: files.read_many_messages([key]), tmp_path / f"{key}.msgs") == []
+
+
+async def test_proxy_starts_with_a_fifo_index_record(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    fifo = cache / f"{'ef' * 16}.idx"
+    os.mkfifo(fifo)
+    try:
+        proxy = await asyncio.wait_for(start_proxy("http://127.0.0.1:9", cache), 10)
+    except TimeoutError:
+        _unblock(fifo)
+        raise
+    await proxy.stop()

@@ -4,8 +4,8 @@ An entry is `<key>.kv` (written by llama-server's slot save), any checkpoint sid
 build writes beside it (`<key>.kv.<anything>`), optionally `<key>.msgs` (the conversation as
 the client will echo it, JSON, for explaining misses), and `<key>.idx`, the JSON index
 record. The `.idx` is written last (temp file, fsync, rename) and deleted first, so it is the
-commit marker: a file without one is never used and is swept at start-up. Files are read with
-O_NOFOLLOW and must be regular files.
+commit marker: a file without one is never used and is swept at start-up. Files are opened
+with O_NOFOLLOW and O_NONBLOCK (a FIFO never blocks) and must be regular files.
 
 Who touches what. `StoreFiles` keeps no index: its methods take plain data (keys, serialised
 records, entries nobody changes meanwhile) and return plain data (what was loaded, which
@@ -155,10 +155,8 @@ class StoreFiles:
 
     @staticmethod
     def _read_regular(path: Path, limit: int) -> bytes:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_regular(path)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ValueError("not a regular file")
             with os.fdopen(fd, "rb", closefd=False) as fh:
                 return fh.read(limit)
         finally:
@@ -276,7 +274,8 @@ class StoreFiles:
             size = sum(_regular_size(p) for p in files)
             if size != entry.state_bytes:
                 return f"size {size} != recorded {entry.state_bytes}"
-            with open(path, "rb", opener=_nofollow_opener) as fh:
+            fd = _open_regular(path)
+            with os.fdopen(fd, "rb") as fh:
                 head = fh.read(12)
         except (OSError, ValueError) as exc:
             return str(exc)
@@ -328,12 +327,24 @@ def _regular_size(path: Path) -> int:
     return st.st_size
 
 
-def _nofollow_opener(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
+# Opening never blocks (a FIFO would block until a writer comes) and follows no symlink.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only fd of `path`, checked to be a regular file; ValueError if it is not."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _fsync_file(path: Path) -> None:
-    _fsync(path, os.O_RDONLY | os.O_NOFOLLOW)
+    _fsync(path, _READ_FLAGS)
 
 
 def _fsync_dir(path: Path) -> None:
