@@ -5,12 +5,12 @@ from __future__ import annotations
 import hmac
 import logging
 import posixpath
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from .cache import ConversationCache
 from .config import Settings
@@ -192,10 +192,37 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 
 
 async def forward(request: web.Request, service: Service, path_qs: str) -> web.StreamResponse:
-    """Plain pass-through: the body streams to the server as it arrives."""
-    data = request.content if request.body_exists else None
+    """Plain pass-through: the body streams to the server as it arrives. A body without a
+    Content-Length (chunked) is counted as it passes and cut off beyond --max-body."""
+    limit = service.settings.max_body
+    data: AsyncIterable[bytes] | None = None
+    limited: _Limited | None = None
+    if request.body_exists:
+        data = request.content
+        if request.content_length is None:
+            data = limited = _Limited(request.content, int(limit))
     result = await relay(request, service.upstream, path_qs, data, body_replaced=False)
+    if limited is not None and limited.exceeded and not result.response.prepared:
+        return _too_large(service.settings)
     return result.response
+
+
+class _Limited:
+    """A request body streamed on until it passes `limit` bytes; then the upload fails."""
+
+    def __init__(self, content: StreamReader, limit: int) -> None:
+        self.content = content
+        self.limit = limit
+        self.exceeded = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.content.iter_any():
+            seen += len(chunk)
+            if seen > self.limit:
+                self.exceeded = True
+                raise web.HTTPRequestEntityTooLarge(max_size=self.limit, actual_size=seen)
+            yield chunk
 
 
 def _path_qs(path: str, request: web.Request) -> str:

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import orjson
 import pytest
 
 from .conftest import RealServer, RunningProxy, start_proxy
@@ -133,3 +135,30 @@ async def test_proxy_starts_with_a_fifo_index_record(tmp_path: Path) -> None:
         _unblock(fifo)
         raise
     await proxy.stop()
+
+
+# --- (9) --max-body on chunked bodies of pass-through routes
+
+
+@pytest.mark.real
+async def test_max_body_applies_to_chunked_pass_through_bodies(real_server: RealServer) -> None:
+    proxy = await start_proxy(real_server.url, real_server.cache_dir, max_body="1MiB")
+    body = orjson.dumps({"content": "hello " * (2 * 1024 * 1024 // 6 + 1)})
+
+    async def chunked() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), 64 * 1024):
+            yield body[i : i + 64 * 1024]
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(proxy.url + "/tokenize", data=body) as r:
+                sized = (r.status, await r.read())
+            async with s.post(proxy.url + "/tokenize", data=chunked()) as r:
+                assert r.request_info.headers.get("Transfer-Encoding") == "chunked"
+                streamed = (r.status, await r.read())
+            async with s.post(proxy.url + "/tokenize", data=b'{"content": "small"}') as r:
+                assert r.status == 200  # still serving
+        assert sized[0] == 413
+        assert streamed == sized
+    finally:
+        await proxy.stop()
