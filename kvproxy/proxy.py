@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import posixpath
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -45,8 +46,28 @@ def canonical_path(raw: str) -> str:
     return "/" if norm == "//" else norm
 
 
-def blocked_reason(method: str, path: str) -> str | None:
+def predict_routes(environ: Mapping[str, str]) -> frozenset[str]:
+    """The Vertex AI predict route of a llama-server under `AIP_MODE=PREDICTION`
+    (server-http.cpp `register_gcp_compat`): `/predict`, or `AIP_PREDICT_ROUTE` as the server
+    reads it (a leading `/` added). Both are refused, whatever the mode."""
+    custom = environ.get("AIP_PREDICT_ROUTE") or "/predict"
+    return frozenset(
+        {"/predict", canonical_path(custom if custom.startswith("/") else "/" + custom)}
+    )
+
+
+def blocked_reason(
+    method: str, path: str, predict: frozenset[str] = frozenset({"/predict"})
+) -> str | None:
     """Server routes clients must never reach through the proxy, and why."""
+    if path in predict:
+        # Each of `instances` runs through any route the server has, named by
+        # `@requestFormat` (`/slots/:id_slot`, `chatCompletions`, `/models/load`, ...) with
+        # this request's query string, all at once and on slots the server picks.
+        return (
+            f"{path} (Vertex AI predict) runs its instances through any server route, "
+            "slot actions included, on slots kvproxy does not own"
+        )
     if path == "/slots" or path.startswith("/slots/"):
         return (
             "the /slots API is reserved to kvproxy: it decides what every slot holds, "
@@ -64,6 +85,8 @@ class Service:
 
     def __init__(self, settings: Settings, upstream_url: str) -> None:
         self.settings = settings
+        # kvproxy's environment is the managed server's, and usually the sidecar's too.
+        self.predict_routes = predict_routes(os.environ)
         self.upstream = Upstream(upstream_url, settings.api_key)
         self.events = Events()
         self.metrics = Metrics(
@@ -172,7 +195,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             return refused
     if path.startswith("/kvproxy/") or (path == "/metrics" and request.method == "GET"):
         return await own_route(request, service, path)
-    reason = blocked_reason(request.method, path)
+    reason = blocked_reason(request.method, path, service.predict_routes)
     if reason is not None:
         return error_response(403, f"Forbidden: {reason}.", "forbidden_route")
     if request.content_length is not None and request.content_length > service.settings.max_body:

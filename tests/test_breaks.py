@@ -13,7 +13,9 @@ import aiohttp
 import orjson
 import pytest
 
-from .conftest import RealServer, RunningProxy, start_proxy
+from kvproxy.managed import free_port
+
+from .conftest import Maker, RealServer, RunningProxy, start_proxy, start_real_server
 
 CHAT = b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"temperature":0}'
 
@@ -162,3 +164,48 @@ async def test_max_body_applies_to_chunked_pass_through_bodies(real_server: Real
         assert streamed == sized
     finally:
         await proxy.stop()
+
+
+# --- (6) Vertex AI's /predict reaches every server route, /slots included
+
+
+@pytest.mark.real
+async def test_vertex_predict_route_is_refused(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    monkeypatch.setenv("AIP_MODE", "PREDICTION")
+    monkeypatch.setenv("AIP_HTTP_PORT", str(port))  # the server listens there, whatever -port says
+    server = await asyncio.to_thread(start_real_server, cache_dir, port=port)
+    try:
+        proxy = await start_proxy(server.url, cache_dir)
+        erase = {"instances": [{"@requestFormat": "/slots/:id_slot"}]}
+        chat = {"instances": [{"@requestFormat": "chatCompletions", **orjson.loads(CHAT)}]}
+        try:
+            async with aiohttp.ClientSession() as s:
+                # The server alone: a slot action through the Vertex route.
+                url = server.url + "/predict?id_slot=0&action=erase"
+                async with s.post(url, json=erase) as r:
+                    direct = await r.json()
+                assert r.status == 200 and direct["predictions"][0]["id_slot"] == 0
+                for path in ("/predict", "//predict", "/v1/../predict"):
+                    for body in (erase, chat):
+                        url = proxy.url + path + "?id_slot=0&action=erase"
+                        async with s.post(url, json=body) as r:
+                            assert r.status == 403, (path, await r.text())
+                            assert (await r.json())["error"]["code"] == "forbidden_route"
+        finally:
+            await proxy.stop()
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def test_custom_vertex_predict_route_is_refused(
+    make: Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIP_PREDICT_ROUTE", "my/predict")  # the server adds the leading slash
+    fake, proxy = await make()
+    for path in ("/my/predict", "/predict"):
+        status, body = await raw_request(proxy.url, "POST", path, body=b'{"instances": []}')
+        assert status == 403, body
+    assert not [r for r in fake.requests if "predict" in r[1]]
