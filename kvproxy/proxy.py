@@ -39,6 +39,9 @@ PINNABLE_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
 UNPINNABLE_PATHS = frozenset({"/v1/messages", "/v1/embeddings", "/embeddings", "/embedding"})
 
+# Resumable streams (server-stream.cpp): replay (GET), stop (DELETE) and discovery by id.
+RESUMABLE_STREAM_PATHS = frozenset({"/v1/stream", "/v1/streams/lookup"})
+
 
 def canonical_path(raw: str) -> str:
     """Collapse `//`, `.` and `..` so `/v1/../slots` is seen as `/slots`."""
@@ -67,6 +70,12 @@ def blocked_reason(
         return (
             f"{path} (Vertex AI predict) runs its instances through any server route, "
             "slot actions included, on slots kvproxy does not own"
+        )
+    if path in RESUMABLE_STREAM_PATHS:
+        return (
+            f"{path} serves resumable streams, which llama-server keys by a client-chosen "
+            "conversation id with no owner (any tenant could read or stop another's); kvproxy "
+            "does not pass X-Conversation-Id, so no stream is resumable through it"
         )
     if path == "/slots" or path.startswith("/slots/"):
         return (

@@ -38,6 +38,12 @@ HOP_BY_HOP = frozenset(
 )
 
 
+# Request headers the server must not see. `X-Conversation-Id` makes a completion resumable
+# (server-stream.cpp): the generation outlives the client's connection, so it goes on in a slot
+# kvproxy has given back, and anyone naming the id reads, replaces or stops it.
+CLIENT_ONLY = frozenset({"x-conversation-id"})
+
+
 def request_headers(
     incoming: Mapping[str, str], upstream: Upstream, drop_length: bool
 ) -> CIMultiDict[str]:
@@ -47,7 +53,7 @@ def request_headers(
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         lname = name.lower()
-        if lname in HOP_BY_HOP or lname in connection_listed:
+        if lname in HOP_BY_HOP or lname in connection_listed or lname in CLIENT_ONLY:
             continue
         if drop_length and lname == "content-length":
             continue

@@ -209,3 +209,33 @@ async def test_custom_vertex_predict_route_is_refused(
         status, body = await raw_request(proxy.url, "POST", path, body=b'{"instances": []}')
         assert status == 403, body
     assert not [r for r in fake.requests if "predict" in r[1]]
+
+
+# --- (8) resumable streams: the server keys them by a client-chosen id, with no owner
+
+
+@pytest.mark.real
+async def test_resumable_streams_never_cross_tenants(
+    real_server: RealServer, rproxy: RunningProxy
+) -> None:
+    conv_id = "conv-A-7f3e"
+    body = {**orjson.loads(CHAT), "max_tokens": 48, "stream": True}
+    a = {"Authorization": "Bearer tenant-a", "X-Conversation-Id": conv_id}
+    b = {"Authorization": "Bearer tenant-b"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(rproxy.url + "/v1/chat/completions", json=body, headers=a) as r:
+            assert r.status == 200
+            await r.content.readany()  # tenant A reads a little, then hangs up
+        await asyncio.sleep(0.5)
+        for method, path, data in (
+            ("GET", f"/v1/stream?conv_id={conv_id}", None),
+            ("POST", "/v1/streams/lookup", {"conversation_ids": [conv_id]}),
+            ("DELETE", f"/v1/stream?conv_id={conv_id}", None),
+        ):
+            async with s.request(method, rproxy.url + path, json=data, headers=b) as r:
+                text = await r.text()
+                assert r.status == 403, (method, path, r.status, text[:200])
+                assert (await r.json())["error"]["code"] == "forbidden_route"
+        # The id never reached the server: no session kept generating after A hung up.
+        async with s.get(real_server.url + f"/v1/stream?conv_id={conv_id}") as r:
+            assert r.status == 404
