@@ -127,7 +127,7 @@ class Conversations:
                 )
             )
             return busy_response(exc)
-        queue_wait = time.perf_counter() - started
+        times = (started, time.perf_counter() - started)  # (start, queue wait)
         lease = Lease(self.pool, [slot], self.background)
         try:
             prepared = await lease.guarded(self._prepare_or_miss(slot, conv))
@@ -143,38 +143,65 @@ class Conversations:
                     tap=capture.feed,
                     translator=adapter.translator(conv),
                 )
-            except BaseException:
-                slot.forget()  # cut off mid-reply: the slot holds something we cannot name
+            except asyncio.CancelledError:
+                # The client hung up. Clients that stop reading at the reply's last event
+                # (Codex) leave only the stream's end unread: that reply is whole.
+                reply = capture.finish()
+                if reply is not None and reply.complete:
+                    self._record(request, slot, conv, adapter, lease, prepared, reply, 200, times)
+                else:
+                    slot.forget()  # cut off mid-reply: the slot holds something we cannot name
                 raise
-            reply = capture.finish() if result.complete and result.status == 200 else None
-            if prepared.decision is Decision.RESTORED:
-                self._judge_restore(conv.namespace, prepared.restored_tokens, reply)
-            # The client has its whole reply; the bookkeeping goes on without it.
-            lease.hand_off(self._after_reply(slot, conv, reply, adapter))
-            timings = (reply.timings if reply is not None else None) or {}
-            event = RequestEvent(
-                route=request.path,
-                decision=prepared.decision,
-                status=result.status,
-                key=conv.keys[-1],
-                slot=slot.id,
-                queue_wait_s=queue_wait,
-                duration_s=time.perf_counter() - started,
-                restored_tokens=prepared.restored_tokens,
-                restore_ms=prepared.restore_ms,
-                cache_n=_int_or_none(timings.get("cache_n")),
-                prompt_n=_int_or_none(timings.get("prompt_n")),
-                prompt_ms=_float_or_none(timings.get("prompt_ms")),
-            )
-            if prepared.decision is Decision.MISS:
-                # Explaining may read stored conversations (in a thread); the client may hang
-                # up meanwhile, cancelling this handler, so it runs detached.
-                self.background.spawn(self._emit_explained(event, conv, self._resident_texts(conv)))
-            else:
-                self.events.request(event)
+            except BaseException:
+                slot.forget()
+                raise
+            # Even when the relay did not end cleanly, a reply the capture finds whole is whole:
+            # the client may hang up once it has read the last event.
+            reply = capture.finish() if result.status == 200 else None
+            self._record(request, slot, conv, adapter, lease, prepared, reply, result.status, times)
             return result.response
         finally:
             lease.release()
+
+    def _record(
+        self,
+        request: web.Request,
+        slot: Slot,
+        conv: Conversation,
+        adapter: WireAdapter,
+        lease: Lease,
+        prepared: Prepared,
+        reply: Reply | None,
+        status: int,
+        times: tuple[float, float],
+    ) -> None:
+        """After the reply: judge a restore, hand the slot's bookkeeping off (it goes on
+        without the client), and report the request."""
+        if prepared.decision is Decision.RESTORED:
+            self._judge_restore(conv.namespace, prepared.restored_tokens, reply)
+        lease.hand_off(self._after_reply(slot, conv, reply, adapter))
+        timings = (reply.timings if reply is not None else None) or {}
+        started, queue_wait = times
+        event = RequestEvent(
+            route=request.path,
+            decision=prepared.decision,
+            status=status,
+            key=conv.keys[-1],
+            slot=slot.id,
+            queue_wait_s=queue_wait,
+            duration_s=time.perf_counter() - started,
+            restored_tokens=prepared.restored_tokens,
+            restore_ms=prepared.restore_ms,
+            cache_n=_int_or_none(timings.get("cache_n")),
+            prompt_n=_int_or_none(timings.get("prompt_n")),
+            prompt_ms=_float_or_none(timings.get("prompt_ms")),
+        )
+        if prepared.decision is Decision.MISS:
+            # Explaining may read stored conversations (in a thread); the client may hang
+            # up meanwhile, cancelling the handler, so it runs detached.
+            self.background.spawn(self._emit_explained(event, conv, self._resident_texts(conv)))
+        else:
+            self.events.request(event)
 
     async def _prepare_or_miss(self, slot: Slot, conv: Conversation) -> Prepared:
         try:

@@ -373,3 +373,31 @@ async def test_a_resident_turn_right_after_its_last_one_skips_the_slot_check(
     paths = [p for m, p, _ in fake.requests if p in ("/slots", "/v1/chat/completions")]
     first, second = [i for i, p in enumerate(paths) if p == "/v1/chat/completions"]
     assert paths[first + 1 : second] == ["/slots"]  # the snapshot after turn 1 only
+
+
+async def test_a_client_that_hangs_up_after_the_last_event_keeps_its_slot(make: Maker) -> None:
+    """Codex stops reading at `response.completed` and closes the connection, before the
+    server ends the stream: the reply was whole, so the slot holds the conversation."""
+    fake, proxy = await make(server={"end_delay": 0.5})
+    messages = conv(1)
+    text = ""
+    async with aiohttp.ClientSession() as s:
+        body = {"messages": messages, "stream": True}
+        async with s.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    chunk = orjson.loads(line[6:])
+                    for choice in chunk.get("choices") or []:
+                        text += (choice.get("delta") or {}).get("content") or ""
+                        if choice.get("finish_reason"):
+                            break
+                    else:
+                        continue
+                    break
+            resp.close()  # hang up before the stream's end
+    await asyncio.sleep(0.7)
+    await settle(proxy)
+    reply = {"choices": [{"message": {"role": "assistant", "content": text}}]}
+    status, r, headers = await chat(proxy, then(messages, reply))
+    assert status == 200 and headers["X-KVProxy-Cache"] == "resident"
+    assert r["timings"]["prompt_n"] <= 100, r["timings"]  # the new turn only

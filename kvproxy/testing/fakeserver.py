@@ -689,6 +689,7 @@ class FakeLlamaServer:
         reply: ReplyFn | None = None,
         fail_saves: bool = False,
         action_delay: float = 0.0,
+        end_delay: float = 0.0,
         slots_endpoint: bool = True,
         ignore_eos: bool = False,
     ) -> None:
@@ -709,6 +710,7 @@ class FakeLlamaServer:
         # Faults the real server shows only on a full disk / a slow disk.
         self.fail_saves = fail_saves
         self.action_delay = action_delay
+        self.end_delay = end_delay
         # llama-server's --no-slots: GET /slots answers 501, so kvproxy passes requests through.
         self.slots_endpoint = slots_endpoint
         # llama-server's --ignore-eos: every reply runs to its token limit (or the context's end).
@@ -1194,6 +1196,8 @@ class FakeLlamaServer:
                 return web.json_response(fmt.final(run))
             for chunk in fmt.final_stream(run):
                 await resp.write(_sse(chunk))
+            # A client may hang up as soon as it has the last event, before the stream ends.
+            await asyncio.sleep(self.end_delay)
             if fmt.done_marker:
                 await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

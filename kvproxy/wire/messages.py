@@ -6,8 +6,8 @@ makes the same conversion (anthropic.py), sends it to `/v1/chat/completions` wit
 and writes the reply back the way the server's `/v1/messages` would have written it: the same
 JSON (server-task.cpp `to_json_anthropic`) and the same events (`to_json_anthropic` of partial
 results, `to_json_anthropic_stream` of the final one), compact and with keys in the order
-the server writes them. Streams ask for `timings_per_token`: the last chunk of each token's group then
-carries timings, which marks where a group ends and gives message_start its usage.
+the server writes them. Streams ask for `timings_per_token`: the last chunk of each token's
+group then carries timings, which marks where a group ends and gives message_start its usage.
 """
 
 from __future__ import annotations
