@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from aiohttp import web
 
-from . import keys
+from . import jsonbody, keys
 from .backend import Backend
 from .canonical import EchoStyles
 from .config import Settings
@@ -96,11 +95,15 @@ class Conversations:
     ) -> web.StreamResponse:
         started = time.perf_counter()
         body = await request.read()
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_json")
+        parsed = jsonbody.parse(body)
+        if parsed.invalid is not None:
+            message = f"Request body is not valid JSON: {parsed.invalid}"
+            return error_response(400, message, "invalid_json")
         await self.backend.rediscover_if_off()
+        if parsed.opaque:
+            # JSON kvproxy cannot read or write back: to the server as it came.
+            return await self.unkeyed.hold_all(request, path_qs, body)
+        payload = parsed.value
         if not self.backend.enabled or not isinstance(payload, dict):
             # Not an object: the server rejects it before it touches a slot.
             return (await self.unkeyed.relay_bypass(request, path_qs, body)).response

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from . import jsonbody
 from .backend import Backend
 from .errors import error_response
 from .events import Events, RequestEvent
@@ -42,11 +43,13 @@ class Unkeyed:
 
     async def handle_pinned(self, request: web.Request, path_qs: str) -> web.StreamResponse:
         body = await request.read()
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            payload = None
+        parsed = jsonbody.parse(body)
+        if parsed.opaque:
+            # JSON kvproxy cannot read or write back: to the server as it came.
+            return await self.hold_all(request, path_qs, body)
+        payload = parsed.value
         if not self.backend.enabled or not isinstance(payload, dict):
+            # Not a JSON object: the server refuses it before it touches a slot.
             return (await self.relay_bypass(request, path_qs, body)).response
         return await self.forward_pinned(request, path_qs, payload)
 

@@ -239,3 +239,58 @@ async def test_resumable_streams_never_cross_tenants(
         # The id never reached the server: no session kept generating after A hung up.
         async with s.get(real_server.url + f"/v1/stream?conv_id={conv_id}") as r:
             assert r.status == 404
+
+
+# --- (4) JSON orjson cannot read or write back: a UTF-8 BOM, deep nesting
+
+
+def _deep(levels: int) -> bytes:
+    return b'{"a":' * (levels - 1) + b"[]" + b"}" * (levels - 1)
+
+
+def _with(body: bytes, name: bytes, value: bytes) -> bytes:
+    return body[:-1] + b',"' + name + b'":' + value + b"}"
+
+
+PROMPT = b'{"prompt":"Hi","n_predict":4,"temperature":0}'
+MESSAGES = b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"temperature":0}'
+RESPONSES = b'{"input":"Hi","max_output_tokens":4,"temperature":0}'
+DEEP_CASES = [
+    ("/v1/chat/completions", _with(CHAT, b"x", _deep(300))),
+    ("/v1/chat/completions", _with(CHAT, b"tools", b"[" + _deep(300) + b"]")),
+    ("/v1/chat/completions", _with(CHAT, b"chat_template_kwargs", _deep(300))),
+    ("/v1/chat/completions", _with(CHAT, b"x", _deep(1100))),
+    ("/v1/chat/completions", b"\xef\xbb\xbf" + CHAT),
+    ("/v1/chat/completions", b"\xef\xbb\xbf" + _with(CHAT, b"x", _deep(300))),
+    ("/completion", _with(PROMPT, b"x", _deep(300))),
+    ("/completion", _with(PROMPT, b"x", _deep(1100))),
+    ("/completion", b"\xef\xbb\xbf" + PROMPT),
+    ("/v1/completions", _with(PROMPT, b"x", _deep(300))),
+    ("/v1/messages", _with(MESSAGES, b"x", _deep(300))),
+    ("/v1/messages", b"\xef\xbb\xbf" + MESSAGES),
+    ("/v1/responses", _with(RESPONSES, b"x", _deep(300))),
+    ("/v1/responses", b"\xef\xbb\xbf" + RESPONSES),
+]
+
+
+def _case_id(path: str, body: bytes) -> str:
+    bom = "bom-" if body.startswith(b"\xef\xbb\xbf") else ""
+    return f"{path}-{bom}{body.count(b'{')}"
+
+
+@pytest.mark.real
+@pytest.mark.parametrize(
+    ("path", "body"),
+    DEEP_CASES,
+    ids=[_case_id(p, b) for p, b in DEEP_CASES],
+)
+async def test_bodies_orjson_cannot_handle_get_what_the_server_says(
+    real_server: RealServer, rproxy: RunningProxy, path: str, body: bytes
+) -> None:
+    direct, want = await raw_request(real_server.url, "POST", path, body=body)
+    status, got = await raw_request(rproxy.url, "POST", path, body=body)
+    assert b"proxy_error" not in got, got[:200]
+    assert status == direct, (direct, want[:200], status, got[:200])
+    # Still serving, and slots the server used meanwhile were re-read, not trusted blindly.
+    status, _ = await raw_request(rproxy.url, "POST", "/v1/chat/completions", body=CHAT)
+    assert status == 200

@@ -1,0 +1,78 @@
+"""Request bodies as llama-server reads them, and whether kvproxy can work with one.
+
+The server parses bodies with nlohmann::json; kvproxy with orjson, which is stricter in two
+ways: it refuses a leading UTF-8 BOM (the server skips it) and nesting beyond 1,024 levels
+(the server has no limit). orjson also writes at most 254 levels, and the wire converters
+copy bodies recursively. So a body kvproxy cannot parse although it may be JSON, or nests
+too deep to be written back, is `opaque`: it goes to the server as it came, while kvproxy
+holds every slot (the server then picks one itself), and what the server says is what the
+client gets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+BOM = b"\xef\xbb\xbf"
+# Deepest nesting kvproxy parses, walks and writes back; beyond it a body is opaque. Well
+# below orjson's writing limit (254), and leaves Python's recursion limit to the copies.
+MAX_DEPTH = 128
+
+
+@dataclass(frozen=True)
+class Body:
+    """A parsed request body: `value` when kvproxy can work with it; else `invalid` (why it
+    is not JSON: the server refuses it before any slot) or opaque (neither)."""
+
+    value: Any = None
+    usable: bool = False
+    invalid: str | None = None
+
+    @property
+    def opaque(self) -> bool:
+        return not self.usable and self.invalid is None
+
+
+def parse(body: bytes) -> Body:
+    data = body[len(BOM) :] if body.startswith(BOM) else body
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        return _second_opinion(data, str(exc))
+    if deeper_than(value, MAX_DEPTH, data):
+        return Body()
+    return Body(value, usable=True)
+
+
+def _second_opinion(data: bytes, error: str) -> Body:
+    """orjson refused `data`: invalid only if the standard library's parser refuses it too
+    for a reason other than depth (both then agree with the server's)."""
+    try:
+        json.loads(data.decode("utf-8"))
+    except RecursionError:
+        return Body()
+    except ValueError:  # UnicodeDecodeError included
+        return Body(invalid=error)
+    return Body()
+
+
+def deeper_than(value: Any, limit: int, raw: bytes | None = None) -> bool:
+    """Whether `value` nests more than `limit` arrays and objects deep; without a walk when
+    its text `raw` has too few brackets to nest that deep."""
+    if raw is not None and raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    if not isinstance(value, dict | list):
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
