@@ -1,0 +1,276 @@
+"""Claude Code and Codex, the real clients from npm, through kvproxy in front of the real
+llama-server (bundled model, -np 2), with other conversations taking both slots between
+their turns: each later turn's prompt comes back from cache, and Codex does at least as well
+through kvproxy as talking to the server directly."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from kvproxy.bench.conversations import first_turn
+from kvproxy.events import Count, RequestEvent, SlotActionEvent
+from kvproxy.managed import free_port
+from kvproxy.proxy import SERVICE
+
+from .agents import CLAUDE_CODE, CODEX, client_env, install
+from .conftest import RunningProxy, start_proxy, start_real_server
+
+pytestmark = pytest.mark.real
+
+# Agent prompts are ~4–5k tokens; room for them in each of the two slots.
+CTX_PER_SLOT = 32768
+# Neither client lets the server stop early on its own: keep replies short.
+MAX_OUTPUT = "64"
+
+
+@dataclass
+class Turn:
+    decision: str
+    cache_n: int
+    prompt_n: int
+
+    @property
+    def cached(self) -> float:
+        return self.cache_n / max(1, self.cache_n + self.prompt_n)
+
+
+class Recorder:
+    """Every keyed request kvproxy served, as it reported it."""
+
+    def __init__(self) -> None:
+        self.turns: list[Turn] = []
+
+    def on_request(self, event: RequestEvent) -> None:
+        if event.cache_n is not None and event.prompt_n is not None:
+            self.turns.append(Turn(str(event.decision), event.cache_n, event.prompt_n))
+
+    def on_slot_action(self, event: SlotActionEvent) -> None:
+        del event
+
+    def on_count(self, what: Count, n: int) -> None:
+        del what, n
+
+    def take(self) -> list[Turn]:
+        out, self.turns = self.turns, []
+        return out
+
+
+def run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,  # a pipe left open makes `claude -p` wait for input
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+async def take_both_slots(url: str) -> None:
+    """Two other conversations: whatever the slots held goes to disk (or is lost, direct)."""
+    async with aiohttp.ClientSession() as s:
+        for n in (101, 102):
+            body = {"messages": first_turn(n, n_facts=30), "max_tokens": 4, "temperature": 0}
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> Any:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    extra = ("--cache-ram", "0", "--swa-full", "-n", MAX_OUTPUT)
+    server = start_real_server(cache, ctx_per_slot=CTX_PER_SLOT, extra=extra)
+    proxy: RunningProxy = await start_proxy(server.url, cache)
+    recorder = Recorder()
+    proxy.app[SERVICE].events.listeners.append(recorder)
+    try:
+        yield server, proxy, recorder
+    finally:
+        await proxy.stop()
+        server.stop()
+
+
+def table(client: str, rows: list[tuple[str, list[Turn]]]) -> None:
+    print("\n| client | turn | decision | cache_n | prompt_n | from cache |")
+    print("|---|---|---|---|---|---|")
+    for name, turns in rows:
+        for t in turns:
+            print(
+                f"| {client} | {name} | {t.decision} | {t.cache_n} | {t.prompt_n} | {t.cached:.1%} |"
+            )
+
+
+async def test_claude_code_turns_come_back_after_other_conversations(
+    stack: Any, tmp_path: Path
+) -> None:
+    server, proxy, recorder = stack
+    claude = await asyncio.to_thread(install, CLAUDE_CODE)
+    home = tmp_path / "claude-home"
+    home.mkdir()
+    env = client_env(
+        home,
+        ANTHROPIC_BASE_URL=proxy.url,
+        ANTHROPIC_API_KEY="kvproxy-test",
+        DISABLE_TELEMETRY="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=MAX_OUTPUT,
+    )
+    # A reply cut at the output limit makes claude exit 1 after it; the requests are what
+    # this measures.
+    first = await asyncio.to_thread(run, [str(claude), "-p", "Say hi."], env, home)
+    turn1 = recorder.take()
+    assert turn1, first.stdout + first.stderr
+    await take_both_slots(proxy.url)
+    recorder.take()
+    later = await asyncio.to_thread(
+        run, [str(claude), "-p", "--continue", "Now say bye."], env, home
+    )
+    turn2 = recorder.take()
+    table("Claude Code", [("1", turn1), ("2 (after 2 others)", turn2)])
+    assert turn2, later.stdout + later.stderr
+    assert turn2[0].decision == "restored", turn2
+    assert all(t.decision in ("restored", "resident") for t in turn2), turn2
+    assert all(t.cached >= 0.95 for t in turn2), turn2
+
+
+def codex_config(home: Path, base_url: str) -> None:
+    """A custom provider speaking the Responses API (`wire_api = "chat"` is refused by this
+    version); Codex reads it from ~/.codex/config.toml."""
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(
+        'model = "gemma"\n'
+        'model_provider = "kvproxy"\n\n'
+        "[model_providers.kvproxy]\n"
+        'name = "kvproxy"\n'
+        f'base_url = "{base_url}/v1"\n'
+        'wire_api = "responses"\n'
+    )
+
+
+async def codex_two_turns(
+    codex: Path, base_url: str, home: Path, between: Any, seen: Any
+) -> list[tuple[str, list[Turn]]]:
+    home.mkdir()
+    codex_config(home, base_url)
+    env = client_env(home)
+    rows = []
+    for name, args in (
+        ("1", ["exec", "--skip-git-repo-check", "Say hi."]),
+        ("2 (after 2 others)", ["exec", "--skip-git-repo-check", "resume", "--last", "Now bye."]),
+    ):
+        done = await asyncio.to_thread(run, [str(codex), *args], env, home)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        rows.append((name, await seen()))
+        if name == "1":
+            await between()
+    return rows
+
+
+async def test_codex_turns_come_back_and_beat_the_server_alone(stack: Any, tmp_path: Path) -> None:
+    server, proxy, recorder = stack
+    codex = await asyncio.to_thread(install, CODEX)
+
+    async def evict_through_proxy() -> None:
+        await take_both_slots(proxy.url)
+        recorder.take()
+
+    async def seen_by_proxy() -> list[Turn]:
+        return recorder.take()
+
+    through = await codex_two_turns(
+        codex, proxy.url, tmp_path / "codex-proxy", evict_through_proxy, seen_by_proxy
+    )
+
+    # The same two turns straight to llama-server, with the same two conversations between
+    # them; what it reused is read off its /slots-free answer: the Responses usage.
+    direct_seen: list[Turn] = []
+
+    async def evict_direct() -> None:
+        await take_both_slots(server.url)
+
+    async def seen_direct() -> list[Turn]:
+        out = list(direct_seen)
+        direct_seen.clear()
+        return out
+
+    tap = ResponsesTap(server.url, direct_seen)
+    await tap.start()
+    try:
+        direct = await codex_two_turns(
+            codex, tap.url, tmp_path / "codex-direct", evict_direct, seen_direct
+        )
+    finally:
+        await tap.stop()
+    table("Codex via kvproxy", through)
+    table("Codex direct", direct)
+    later_proxy, later_direct = through[1][1], direct[1][1]
+    assert later_proxy and later_direct
+    assert later_proxy[0].decision == "restored", later_proxy
+    assert all(t.cached >= 0.95 for t in later_proxy), later_proxy
+    assert sum(t.cache_n for t in later_proxy) >= sum(t.cache_n for t in later_direct)
+
+
+class ResponsesTap:
+    """A pass-through in front of the server that reads the usage of every Responses reply
+    (what the server reused when talking to it directly)."""
+
+    def __init__(self, upstream: str, sink: list[Turn]) -> None:
+        self.upstream = upstream
+        self.sink = sink
+        self.url = ""
+        self._runner: Any = None
+
+    async def start(self) -> None:
+        async def forward(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            async with (
+                aiohttp.ClientSession() as s,
+                s.request(
+                    request.method,
+                    self.upstream + request.path_qs,
+                    data=body,
+                    headers={"Content-Type": request.content_type or "application/json"},
+                ) as r,
+            ):
+                resp = web.StreamResponse(status=r.status)
+                resp.content_type = r.content_type
+                await resp.prepare(request)
+                raw = b""
+                async for chunk in r.content.iter_any():
+                    raw += chunk
+                    await resp.write(chunk)
+                self._usage(raw)
+                await resp.write_eof()
+                return resp
+
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    def _usage(self, raw: bytes) -> None:
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data: {"):
+                data = orjson.loads(line[6:])
+                usage = (data.get("response") or {}).get("usage")
+                if data.get("type") == "response.completed" and usage:
+                    cached = usage["input_tokens_details"]["cached_tokens"]
+                    self.sink.append(Turn("direct", cached, usage["input_tokens"] - cached))
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
