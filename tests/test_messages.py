@@ -482,3 +482,25 @@ async def test_three_turns_with_restarts_of_both_processes_between(
     finally:
         await running["proxy"].stop()
         running["server"].stop()
+
+
+@pytest.mark.real
+async def test_token_counting_routes_pass_through(real_server: RealServer, cache_dir: Path) -> None:
+    """/v1/messages/count_tokens and /v1/responses/input_tokens touch no slot: kvproxy passes
+    them through, and the client gets the server's own answer."""
+    proxy = await start_proxy(real_server.url, cache_dir)
+    try:
+        cases = [
+            ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi there"}]}),
+            ("/v1/responses/input_tokens", {"input": "Hi there"}),
+        ]
+        async with aiohttp.ClientSession() as s:
+            for path, body in cases:
+                got = []
+                for base in (real_server.url, proxy.url):
+                    async with s.post(base + path, json=body) as r:
+                        got.append((r.status, await r.json(), r.headers.get("X-KVProxy-Cache")))
+                assert got[0][:2] == got[1][:2] and got[0][0] == 200, (path, got)
+                assert got[1][2] is None, "passed through, not keyed"
+    finally:
+        await proxy.stop()
