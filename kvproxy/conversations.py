@@ -111,7 +111,7 @@ class Conversations:
         conv = adapter.read(payload, self.backend.model_identity, tenant)
         if isinstance(conv, NotKeyed):
             log.debug("not caching %s: %s", path_qs, conv.reason)
-            if adapter.route_pins:
+            if adapter.route_pins and not conv.several_slots:
                 return await self.unkeyed.forward_pinned(request, path_qs, payload)
             return await self.unkeyed.hold_all(request, path_qs, body)
 

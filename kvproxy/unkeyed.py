@@ -23,6 +23,7 @@ from .relay import RelayResult, relay
 from .slots import QueueFull, Slot
 from .slotwork import SlotWork
 from .upstream import UpstreamError
+from .wire import several_slots
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -51,6 +52,9 @@ class Unkeyed:
         if not self.backend.enabled or not isinstance(payload, dict):
             # Not a JSON object: the server refuses it before it touches a slot.
             return (await self.relay_bypass(request, path_qs, body)).response
+        if several_slots(payload):
+            # The server would run the other completions on slots of its choosing.
+            return await self.hold_all(request, path_qs, body)
         return await self.forward_pinned(request, path_qs, payload)
 
     async def forward_pinned(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -294,3 +295,57 @@ async def test_bodies_orjson_cannot_handle_get_what_the_server_says(
     # Still serving, and slots the server used meanwhile were re-read, not trusted blindly.
     status, _ = await raw_request(rproxy.url, "POST", "/v1/chat/completions", body=CHAT)
     assert status == 200
+
+
+# --- (7) more than one completion: the server runs the others on further idle slots
+
+
+async def _post_json(
+    url: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[int, dict[str, Any], str]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=headers) as r:
+        return r.status, await r.json(content_type=None), r.headers.get("X-KVProxy-Cache", "")
+
+
+@pytest.mark.real
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/v1/chat/completions", "n"),
+        ("/v1/chat/completions", "n_cmpl"),
+        ("/completion", "n_cmpl"),
+        ("/v1/completions", "n"),
+    ],
+)
+async def test_several_completions_hold_every_slot(
+    real_server: RealServer, rproxy: RunningProxy, path: str, field: str
+) -> None:
+    a = {"Authorization": "Bearer tenant-a"}
+    turn1 = [
+        {"role": "system", "content": f"You are {secrets.token_hex(4)}. " + "Be brief. " * 60},
+        {"role": "user", "content": "Say hello."},
+    ]
+    gen = {"max_tokens": 4, "temperature": 0}
+    url = rproxy.url + "/v1/chat/completions"
+    status, reply, cache = await _post_json(url, {"messages": turn1, **gen}, a)
+    assert status == 200 and cache == "miss"  # tenant A's turn, in a slot, not yet saved
+
+    # Tenant B asks for two completions: pinned to the other slot, the second one would run
+    # in A's slot and wipe what A's next turn needs.
+    if path == "/v1/chat/completions":
+        other: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}], **gen}
+    else:
+        other = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    b = {"Authorization": "Bearer tenant-b"}
+    status, two, _ = await _post_json(rproxy.url + path, {**other, field: 2}, b)
+    assert status == 200
+    if "choices" in two:
+        assert len(two["choices"]) == 2
+    else:
+        assert isinstance(two, list) and len(two) == 2
+
+    turn2 = [*turn1, reply["choices"][0]["message"], {"role": "user", "content": "Again."}]
+    status, done, cache = await _post_json(url, {"messages": turn2, **gen}, a)
+    assert status == 200
+    # A's state was saved before B's request ran, not lost: turn 2 reuses turn 1's prompt.
+    assert done["timings"]["cache_n"] >= reply["timings"]["prompt_n"] - 8, (cache, done["timings"])

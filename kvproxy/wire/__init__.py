@@ -7,6 +7,7 @@ Chat completions now; Anthropic Messages and OpenAI Responses plug in here next.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,9 +27,27 @@ class Conversation:
 
 @dataclass(frozen=True)
 class NotKeyed:
-    """Why a request is forwarded without the cache keying it."""
+    """Why a request is forwarded without the cache keying it. `several_slots`: the server
+    would run it on more than one slot, so it must hold every slot even where `id_slot` pins."""
 
     reason: str
+    several_slots: bool = False
+
+
+def several_slots(payload: Mapping[str, Any]) -> bool:
+    """Whether the server runs this completion on more than one slot: `n_cmpl`, or its alias
+    `n` when `n_cmpl` is absent or null (server-schema.cpp), above 1 starts child tasks on
+    other idle slots, whatever `id_slot` says (server-context.cpp `get_free_slots`). The
+    server reads the number as nlohmann's `get<int32_t>`: booleans are 0 or 1, fractions are
+    cut off. Anything else it refuses (400, no slot); counted as several to be safe."""
+    for name in ("n_cmpl", "n"):
+        value = payload.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            return False
+        return not (isinstance(value, int | float) and value < 2)
+    return False
 
 
 class Capture(Protocol):

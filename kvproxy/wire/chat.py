@@ -9,7 +9,7 @@ import orjson
 
 from .. import canonical, keys
 from ..replies import Reply, ReplyCapture
-from . import Conversation, NotKeyed
+from . import Conversation, NotKeyed, several_slots
 
 
 class ChatAdapter:
@@ -25,8 +25,8 @@ class ChatAdapter:
         messages = payload.get("messages")
         if not isinstance(messages, list) or not messages:
             return NotKeyed("no messages")
-        if payload.get("n", 1) not in (1, None):
-            return NotKeyed("n > 1")
+        if several_slots(payload):
+            return NotKeyed("more than one completion (n, n_cmpl)", several_slots=True)
         ns = keys.namespace(model_identity, payload, tenant)
         try:
             chain = keys.chain(ns, messages)

@@ -24,7 +24,7 @@ import orjson
 
 from .. import canonical, keys
 from ..replies import Reply
-from . import Conversation, NotKeyed
+from . import Conversation, NotKeyed, several_slots
 
 
 class NotConvertible(ValueError):
@@ -268,8 +268,8 @@ class ResponsesAdapter:
         messages = chat["messages"]
         if not messages:
             return NotKeyed("no input")
-        if chat.get("n", 1) not in (1, None):
-            return NotKeyed("n > 1")
+        if several_slots(chat):
+            return NotKeyed("more than one completion (n, n_cmpl)", several_slots=True)
         # The prompt-shaping fields as the server reads them: chat-form `tools`,
         # `reasoning_effort` from `reasoning.effort`; `client_metadata`, `prompt_cache_key`,
         # `metadata`, `user`, `store`, `stream` shape nothing and stay out of the keys.
