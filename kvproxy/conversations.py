@@ -24,9 +24,18 @@ from .canonical import EchoStyles
 from .config import Settings
 from .errors import error_response
 from .events import Count, Events, RequestEvent
-from .explain import explain_against
+from .explain import explain_against, explain_miss
 from .leases import Background, Lease
-from .policy import Decision, Move, RestoreGuard, RestoreVerdict, choose, judge_restore
+from .policy import (
+    Decision,
+    Move,
+    RestoreGuard,
+    RestoreVerdict,
+    choose,
+    expected_resident,
+    judge_restore,
+    judge_reuse,
+)
 from .relay import relay
 from .replies import Reply
 from .slots import Holding, QueueFull, Slot
@@ -52,6 +61,7 @@ class Prepared:
     decision: Decision
     restored_tokens: int = 0
     restore_ms: float = 0.0
+    expected_n: int | None = None  # tokens the decision expects the server to reuse
 
     def headers(self) -> dict[str, str]:
         out = {"X-KVProxy-Cache": self.decision.value}
@@ -198,7 +208,11 @@ class Conversations:
             cache_n=_int_or_none(timings.get("cache_n")),
             prompt_n=_int_or_none(timings.get("prompt_n")),
             prompt_ms=_float_or_none(timings.get("prompt_ms")),
+            expected_n=prepared.expected_n,
         )
+        verdict = judge_reuse(prepared.expected_n, event.cache_n, event.prompt_n)
+        if verdict is RestoreVerdict.WASTED:
+            event.weak = self._why_weak(prepared, conv, slot)
         if prepared.decision is Decision.MISS:
             # Explaining may read stored conversations (in a thread); the client may hang
             # up meanwhile, cancelling the handler, so it runs detached.
@@ -237,9 +251,16 @@ class Conversations:
                 return MISS
             if not self.echo.known(conv.namespace):
                 self.background.spawn(self._learn_echo_from_disk(entry, conv))
-            return Prepared(Decision.RESTORED, outcome.n_restored, outcome.ms)
+            n = outcome.n_restored
+            return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n)
         if move is Move.USE_RESIDENT:
-            return Prepared(Decision.RESIDENT)
+            held = slot.holding
+            expected = (
+                None
+                if held is None
+                else expected_resident(resident, len(held.chain), held.n_tokens)
+            )
+            return Prepared(Decision.RESIDENT, expected_n=expected)
         if self.work.worth_saving(slot, conv.keys):
             await self.work.verify(slot)
             if self.work.worth_saving(slot, conv.keys):
@@ -260,6 +281,32 @@ class Conversations:
         n = len(messages or [])
         if messages and len(conv.keys) >= n and conv.keys[n - 1] == entry.key:
             self.echo.learn(conv.namespace, messages, conv.messages)
+
+    def _why_weak(self, prepared: Prepared, conv: Conversation, slot: Slot) -> str:
+        """Why a resident or restored request reused less than half of what it expected.
+        Runs before the reply's bookkeeping replaces what the slot held."""
+        info = self.backend.model_info
+        if prepared.decision is Decision.RESTORED:
+            if info is not None and info.has_swa:
+                return (
+                    "a sliding-window model reuses a state from disk only where the request "
+                    "parts from it within the window of its end (and needs --swa-full)"
+                )
+            if info is not None and info.restore_reuse() == "extension":
+                return (
+                    "a recurrent/hybrid model reuses a state from disk only when the request "
+                    "extends it exactly"
+                )
+            return "the request's tokens part from the saved ones early (template or echo)"
+        held = slot.holding
+        found = explain_miss(conv.messages, [(f"slot {slot.id}", held.messages)]) if held else None
+        if found is not None:
+            where = f"{found.where} at message {found.message_index}, char {found.char_offset}"
+            return f"diverged from {where}: {found.ours!r} vs {found.theirs!r}"
+        return (
+            "the messages match as keyed, but the rendered tokens differ (whitespace, "
+            "tool-call formatting), or the slot's state came from disk"
+        )
 
     def _judge_restore(self, namespace: str, n_restored: int, reply: Reply | None) -> None:
         timings = (reply.timings if reply is not None else None) or {}

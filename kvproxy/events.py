@@ -52,6 +52,10 @@ class RequestEvent:
     prompt_n: int | None = None
     prompt_ms: float | None = None
     miss: MissExplanation | None = None
+    # Tokens a resident/restored decision expected the server to reuse (None: not judged),
+    # and, when the server reused less than half of them, why.
+    expected_n: int | None = None
+    weak: str | None = None
 
 
 @dataclass

@@ -139,6 +139,15 @@ class Metrics:
             self.action_bytes.labels(action)
         for source in ("slot", "disk"):
             self.miss_explained.labels(source)
+        self.weak_hits = Counter(
+            "kvproxy_weak_hits",
+            "Resident or restored requests whose timings.cache_n fell below half of what the "
+            "decision expected (logged with why), by decision.",
+            ["decision"],
+            registry=r,
+        )
+        for decision in (Decision.RESIDENT, Decision.RESTORED):
+            self.weak_hits.labels(decision.value)
         self.counts = {
             Count.EVICTION: Counter(
                 "kvproxy_evictions", "Cache entries evicted (TTL or byte budget).", registry=r
@@ -182,6 +191,8 @@ class Metrics:
         if event.miss is not None:
             source = "slot" if event.miss.where.startswith("slot") else "disk"
             self.miss_explained.labels(source).inc()
+        if event.weak is not None:
+            self.weak_hits.labels(str(event.decision)).inc()
 
     def on_count(self, what: Count, n: int) -> None:
         self.counts[what].inc(n)
@@ -243,6 +254,7 @@ class Metrics:
             "prefill_seconds": _total(self.prefill_seconds),
             "prefill_seconds_saved": _total(self.prefill_saved),
             "miss_explained": int(sum(v for _, v in _values(self.miss_explained, "_total"))),
+            "weak_hits": int(_total(self.weak_hits)),
             "evictions": int(_total(self.counts[Count.EVICTION])),
             "ineffective_restores": int(_total(self.counts[Count.WASTED_RESTORE])),
             "slot_resets_seen": int(_total(self.counts[Count.SLOT_RESET])),

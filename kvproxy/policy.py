@@ -84,12 +84,24 @@ class RestoreVerdict(Enum):
 
 def judge_restore(n_restored: int, cache_n: int | None, prompt_n: int | None) -> RestoreVerdict:
     """Did the server reuse what was restored? Some model/flag combinations never do
-    (sliding-window models without --swa-full). At most the prompt less its last token can
-    be reused; half of what could have been counts as reuse."""
-    if cache_n is None:
+    (sliding-window models without --swa-full)."""
+    return judge_reuse(n_restored, cache_n, prompt_n)
+
+
+def judge_reuse(expected: int | None, cache_n: int | None, prompt_n: int | None) -> RestoreVerdict:
+    """Did the server reuse what a resident or restored decision expected? At most the prompt
+    less its last token can be reused; half of what could have been counts as reuse."""
+    if cache_n is None or expected is None:
         return RestoreVerdict.UNKNOWN
-    expected = min(n_restored, cache_n + (prompt_n or 0) - 1)
-    return RestoreVerdict.REUSED if cache_n >= expected // 2 else RestoreVerdict.WASTED
+    could = min(expected, cache_n + (prompt_n or 0) - 1)
+    return RestoreVerdict.REUSED if cache_n >= could // 2 else RestoreVerdict.WASTED
+
+
+def expected_resident(depth: int, chain_length: int, n_tokens: int) -> int | None:
+    """What a slot holding `n_tokens` should give a request that shares `depth` of its
+    `chain_length` keys: all of it when the request continues everything the slot holds;
+    unknown in tokens when it parts inside (a branch), so not judged."""
+    return n_tokens if depth >= chain_length else None
 
 
 @dataclass

@@ -41,6 +41,16 @@ class RequestLog:
             return
         fields = request_fields(event)
         log.info(format_request(event, fields), extra={"fields": fields})
+        if event.weak is not None:
+            log.info(
+                "weak hit: %s %s reused %s of ~%s expected tokens: %s",
+                fields["key"] or "-",
+                event.decision,
+                event.cache_n,
+                event.expected_n,
+                event.weak,
+                extra={"fields": {"event": "weak_hit", "key": fields["key"], "why": event.weak}},
+            )
         if event.miss is not None:
             log.info(
                 "miss explained: %s %s",
@@ -73,6 +83,7 @@ def request_fields(event: RequestEvent) -> dict[str, Any]:
         "prompt_n": event.prompt_n,
         "prompt_ms": event.prompt_ms,
         "prefill_saved_s": None if saved is None else round(saved, 4),
+        "expected_n": event.expected_n,
     }
     if event.miss is not None:
         fields["miss"] = _miss_fields(event.miss)

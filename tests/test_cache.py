@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
@@ -402,3 +404,25 @@ async def test_a_client_that_hangs_up_after_the_last_event_keeps_its_slot(make: 
     status, r, headers = await chat(proxy, then(messages, reply))
     assert status == 200 and headers["X-KVProxy-Cache"] == "resident"
     assert r["timings"]["prompt_n"] <= 100, r["timings"]  # the new turn only
+
+
+async def test_a_resident_hit_the_server_barely_reuses_is_counted_and_explained(
+    make: Maker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Keys ignore surrounding whitespace; tokens do not. A client that adds a leading space
+    to its system prompt stays `resident`, but the server recomputes nearly everything: that
+    weak hit is counted and logged with why, not reported like a perfect one."""
+    fake, proxy = await make()
+    _, r1, _ = await chat(proxy, conv(1))
+    turn2 = then(conv(1), r1)
+    turn2[0] = {**turn2[0], "content": "  " + turn2[0]["content"]}
+    with caplog.at_level(logging.INFO, logger="kvproxy.request"):
+        _, r2, h = await chat(proxy, turn2)
+    assert h["X-KVProxy-Cache"] == "resident"
+    assert r2["timings"]["cache_n"] < r2["timings"]["prompt_n"]
+    assert proxy.stats()["weak_hits"] == 1
+    weak = [r for r in caplog.records if r.getMessage().startswith("weak hit")]
+    assert weak and "resident" in weak[0].getMessage()
+    # A good resident turn is not a weak one.
+    _, r3, _ = await chat(proxy, then(turn2, r2))
+    assert proxy.stats()["weak_hits"] == 1
