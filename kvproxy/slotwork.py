@@ -216,10 +216,14 @@ class SlotWork:
                 await self.store.remove_async(entry)
                 return None
             started = time.perf_counter()
+            # Hashing reads the file while the server reads it too: the check costs no time
+            # unless it is slower than the restore, and nothing is forwarded before it passed.
+            checked = asyncio.ensure_future(asyncio.to_thread(self.store.verify_checksum, entry))
             try:
                 restored: Restored = await self.client.restore(
                     slot.id, self.store.state_name(entry.key)
                 )
+                damaged = await asyncio.shield(checked)
             except UpstreamError as exc:
                 slot.forget()  # a failed restore erases the slot on the server
                 seconds = time.perf_counter() - started
@@ -229,6 +233,14 @@ class SlotWork:
                     await self.store.remove_async(entry)
                     return None
                 raise
+            if damaged is not None:
+                # The slot holds a state that is not the one saved: it must serve nothing. (An
+                # erase that fails means the server is gone, and so is the request.)
+                await self.client.erase(slot.id)
+                slot.forget()
+                log.warning("dropping cache entry %s: %s", entry.key[:12], damaged)
+                await self.store.remove_async(entry)
+                return None
             seconds = time.perf_counter() - started
             n = restored.n_restored
             slot.restored(Holding(entry.namespace, list(entry.chain), n, entry.n_messages))

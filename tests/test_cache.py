@@ -137,7 +137,31 @@ async def test_tool_call_replies_key_as_echoed(make: Maker) -> None:
     assert h["X-KVProxy-Cache"] == "resident"
 
 
+async def test_a_state_damaged_on_disk_is_never_restored(make: Maker) -> None:
+    """Same size, same header, other bytes: the checksum recorded at commit catches it (beside
+    the server's restore); the slot is erased before the request goes, which is answered
+    uncached, and the entry is gone."""
+    fake, proxy = await make()
+    r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    await settle(proxy)
+    [entry] = proxy.cache.store.entries.values()
+    assert entry.checksum
+    kv = proxy.cache.store.root / f"{entry.key}.kv"
+    data = bytearray(kv.read_bytes())
+    data[-20:] = bytes(20)  # zeroed KV bytes: a state the server loads without complaint
+    kv.write_bytes(bytes(data))
+    status, body, h = await chat(proxy, then(conv(1), r[1]))
+    assert status == 200 and h["X-KVProxy-Cache"] == "miss"
+    assert body["choices"][0]["message"]["content"] == "Echo: next question"
+    # The check ran beside the server's restore; the slot was erased before the request went.
+    assert [a[0] for a in fake.actions][-2:] == ["restore", "erase"]
+    assert body["timings"]["cache_n"] == 0, "nothing of the damaged state served"
+    assert not kv.exists() and not (kv.parent / f"{entry.key}.idx").exists()
+
+
 async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> None:
+    """A state the checksum passes but the server refuses (damaged before it was committed):
+    the failed restore erased the slot, the request goes through uncached, the entry goes."""
     fake, proxy = await make()
     r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
@@ -146,6 +170,7 @@ async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> N
     data = bytearray(kv.read_bytes())
     data[40:60] = b"\xff" * 20  # corrupt, same size: only the server can tell
     kv.write_bytes(bytes(data))
+    entry.checksum = ""  # as a record written before kvproxy kept checksums
     status, body, h = await chat(proxy, then(conv(1), r[1]))
     assert status == 200 and h["X-KVProxy-Cache"] == "miss"
     assert body["choices"][0]["message"]["content"] == "Echo: next question"

@@ -27,6 +27,9 @@ class Entry:
     hits: int = 0  # restores of this entry
     chain: list[str] = field(default_factory=list)  # prefix keys of the saved conversation
     msgs_bytes: int = 0  # size of `<key>.msgs`; 0 when the conversation's text is not kept
+    # xxh3-128 of the state file and its sidecars as committed ("" in records written before
+    # kvproxy kept one: those are checked by size and header only).
+    checksum: str = ""
     # The conversation as the client will echo it, handed to `commit`, which writes it to
     # `<key>.msgs` and drops it from the committed entry: read it back with `read_messages`.
     messages: list[Any] | None = field(default=None, repr=False, compare=False)

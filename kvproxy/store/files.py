@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from ..keys import is_key
 from .entry import Entry
@@ -189,15 +190,23 @@ class StoreFiles:
                 _unlink(path)
         _unlink(self._msgs_path(key))
         size = 0
-        for src, dst in moved:
+        digest = xxhash.xxh3_128()
+        for src, dst in sorted(moved, key=lambda pair: pair[1].name):
             size += _regular_size(src)
             with contextlib.suppress(OSError):
                 os.chmod(src, 0o600)
+            _hash_into(digest, src, dst.name[len(state) :])
             _fsync_file(src)
             os.replace(src, dst)
         msgs_bytes = self._write_messages(key, entry.messages) if entry.messages else 0
         # The text is on disk now: kept out of memory and out of the index record.
-        committed = replace(entry, state_bytes=size, msgs_bytes=msgs_bytes, messages=None)
+        committed = replace(
+            entry,
+            state_bytes=size,
+            msgs_bytes=msgs_bytes,
+            checksum=digest.hexdigest(),
+            messages=None,
+        )
         self._write_atomic(self._idx_path(key), key, committed.to_json())
         _fsync_dir(self.root)
         return committed
@@ -283,6 +292,23 @@ class StoreFiles:
             return "not a llama.cpp slot state file"
         return None
 
+    def verify_checksum(self, entry: Entry) -> str | None:
+        """Size and header survive a damaged tensor, and a damaged state answers garbage where
+        the server alone answers right: the files must hash as they did at commit. Reads
+        every byte, so the caller runs it beside the server's own read of the file."""
+        if not entry.checksum:
+            return None  # a record from before checksums: size and header only
+        digest = xxhash.xxh3_128()
+        state = self.state_name(entry.key)
+        try:
+            for p in sorted(self._entry_files(entry.key), key=lambda f: f.name):
+                _hash_into(digest, p, p.name[len(state) :])
+        except (OSError, ValueError) as exc:
+            return str(exc)
+        if digest.hexdigest() != entry.checksum:
+            return "checksum mismatch: the state file changed since it was saved"
+        return None
+
     def missing_records(self, keys: list[str]) -> list[str]:
         """Those of `keys` whose commit marker is gone (someone ran `kvproxy rm` or `gc`)."""
         try:
@@ -313,6 +339,15 @@ class StoreFiles:
             for de in it:
                 if de.name == temp or de.name.startswith(temp + "."):
                     _unlink(Path(de.path))
+
+
+def _hash_into(digest: Any, path: Path, suffix: str) -> None:
+    """Add one state file (its name's suffix after `<key>.kv`, then its bytes) to `digest`."""
+    digest.update(suffix.encode() + b"\0")
+    fd = _open_regular(path)
+    with os.fdopen(fd, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
 
 
 def _unlink(path: Path) -> None:

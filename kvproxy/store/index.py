@@ -311,6 +311,9 @@ class Store:
     def check_state_file(self, entry: Entry) -> str | None:
         return self.files.check_state_file(entry)
 
+    def verify_checksum(self, entry: Entry) -> str | None:
+        return self.files.verify_checksum(entry)
+
     def discard_temp(self, temp: str) -> None:
         self.files.discard_temp(temp)
 
