@@ -26,6 +26,7 @@ from .errors import error_response
 from .events import Count, Events, RequestEvent
 from .explain import explain_against, explain_miss
 from .leases import Background, Lease
+from .openings import Openings
 from .policy import (
     Decision,
     Move,
@@ -97,6 +98,7 @@ class Conversations:
         self.echo = echo
         self.guard = guard
         self.background = background
+        self.openings = Openings(backend, store, work, settings)
 
     # --- keyed requests
 
@@ -237,8 +239,10 @@ class Conversations:
             self.echo.learn(conv.namespace, slot.holding.messages, conv.messages)
         if slot.holding is not None and not self.pool.still_as_seen(slot, SNAPSHOT_TRUST):
             await self.work.verify(slot)
-        resident = slot.shared_depth(conv.keys, conv.namespace)
+        # What the slot holds counts only if the server can serve the request from it.
+        resident = self.openings.resident_depth(slot, conv)
         found = await self._lookup(conv) if self.backend.disk_enabled else None
+        self.openings.observe(conv, self.pool)
         move = choose(resident, found[1] if found else None, self.guard.allows(conv.namespace))
         if move is Move.RESTORE:
             assert found is not None
@@ -246,6 +250,7 @@ class Conversations:
             await self.work.verify(slot)  # a slot action follows: the slot must be idle
             if self.work.worth_saving(slot, conv.keys):
                 await self.work.save(slot)
+            await self.openings.before_reassign(slot, conv)
             outcome = await self.work.restore(slot, entry)
             if outcome is None:
                 return MISS
@@ -255,6 +260,16 @@ class Conversations:
             return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n)
         if move is Move.USE_RESIDENT:
             held = slot.holding
+            if held is not None and resident < len(held.chain) and self.openings.wanted(held):
+                # A new session or a branch parts from the slot's conversation: keep that
+                # conversation, and leave the opening they share on disk and in the slot.
+                await self.work.verify(slot)
+                if self.work.worth_saving(slot, conv.keys):
+                    await self.work.save(slot)
+                await self.openings.before_reassign(slot, conv)
+                resident, held = self.openings.resident_depth(slot, conv), slot.holding
+                if resident == 0:
+                    return MISS
             expected = (
                 None
                 if held is None
@@ -265,15 +280,20 @@ class Conversations:
             await self.work.verify(slot)
             if self.work.worth_saving(slot, conv.keys):
                 await self.work.save(slot)
+        if slot.holding is not None and self.openings.wanted(slot.holding):
+            await self.work.verify(slot)
+            await self.openings.before_reassign(slot, conv)
+        await self.openings.prefill(slot, conv)
         return MISS
 
     async def _lookup(self, conv: Conversation) -> tuple[Entry, int] | None:
-        found = self.store.lookup(conv.keys, conv.namespace)
+        # The entry the server will reuse most, by the model class's rule (openings.py).
+        found = self.openings.pick(conv)
         # Housekeeping applies the TTL every second; an entry that expired since then is
         # not restored either (a full eviction pass costs O(entries) per request).
         if found is not None and self.store.expired(found[0]):
             await self.work.evict()
-            found = self.store.lookup(conv.keys, conv.namespace)
+            found = self.openings.pick(conv)
         return found
 
     async def _learn_echo_from_disk(self, entry: Entry, conv: Conversation) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import Literal
 
 from .keys import shared_prefix
 
@@ -53,6 +54,85 @@ def choose(resident_depth: int, stored_depth: int | None, restores_allowed: bool
     if resident_depth > 0:
         return Move.USE_RESIDENT
     return Move.START_COLD
+
+
+# --- which state serves a request, by model class (DESIGN.md: "Restored SWA states only serve
+# shallow divergences"). A state restored from disk has no context checkpoints: dense models
+# reuse any common prefix of it; sliding-window ones (--swa-full) only a divergence near its
+# end; recurrent and hybrid ones only a prompt that extends it. A live state (computed on the
+# slot) is not limited by this.
+
+RestoreRule = Literal["prefix", "window", "extension"]
+
+
+@dataclass(frozen=True)
+class ReuseRule:
+    rule: RestoreRule
+    window: int = 0  # "window": how far before a restored state's end a divergence is served
+
+
+def reuse_rule(model_class: str, n_swa: int = 0) -> ReuseRule:
+    """The rule for states restored from disk. The window is half the model's sliding
+    window: measured, a divergence within ~n_swa of the end is served; half is margin for
+    the tokens a template adds after a boundary. An unknown model keeps the longest match
+    (the restore guard stops restores that are never reused)."""
+    if model_class in ("recurrent", "hybrid"):
+        return ReuseRule("extension")
+    if model_class == "swa":
+        return ReuseRule("window", max(n_swa // 2, 0))
+    return ReuseRule("prefix")
+
+
+@dataclass(frozen=True)
+class StoredView:
+    """A stored entry as the choice sees it."""
+
+    depth: int  # boundaries it holds (len(chain))
+    shared: int  # of them, how many the request shares
+    n_tokens: int
+
+
+def restore_serves(rule: ReuseRule, request_depth: int, stored: StoredView) -> bool:
+    """Would the server reuse `stored`, restored, for a request of `request_depth` keys?"""
+    if stored.shared <= 0:
+        return False
+    at_end = stored.shared == stored.depth
+    if rule.rule == "extension":
+        return at_end and request_depth > stored.depth
+    if rule.rule == "window":
+        # At the end: the request diverges where the entry's canonical prefix stops.
+        return at_end or stored.n_tokens <= rule.window
+    return True
+
+
+def pick_stored(
+    rule: ReuseRule, request_depth: int, candidates: Sequence[StoredView]
+) -> int | None:
+    """The index of the candidate that will actually be reused the most (the most shared
+    boundaries; then the shortest, least to load), or None when none would be."""
+    best: int | None = None
+    for i, c in enumerate(candidates):
+        if not restore_serves(rule, request_depth, c):
+            continue
+        if best is None or (c.shared, -c.depth) > (
+            candidates[best].shared,
+            -candidates[best].depth,
+        ):
+            best = i
+    return best
+
+
+def resident_serves(rule: ReuseRule, shared: int, restored_depth: int, n_tokens: int) -> bool:
+    """Can a slot serve a request sharing `shared` boundaries with what it holds? A live
+    state (restored_depth 0) or a divergence at or beyond the restored part always can;
+    inside a restored part only as `restore_serves` says (`n_tokens`: what the slot holds)."""
+    if shared <= 0:
+        return False
+    if restored_depth <= 0 or shared >= restored_depth:
+        return True
+    if rule.rule == "window":
+        return n_tokens <= rule.window
+    return rule.rule == "prefix"
 
 
 def worth_saving(

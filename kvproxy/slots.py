@@ -37,6 +37,9 @@ class Holding:
     messages: list[Any] = field(default_factory=list)  # as the client will echo them
     template: dict[str, Any] = field(default_factory=dict)  # request fields the template reads
     canonical: bool = False  # the slot holds exactly the next request's canonical prefix
+    # Boundaries of `chain` that came from a restore (0: all computed on the slot). A restored
+    # state cannot be cut back like a live one (policy.resident_serves).
+    restored_depth: int = 0
 
     @property
     def key(self) -> str:
@@ -76,6 +79,17 @@ class Slot:
         self.snapshot = None
 
     def hold(self, holding: Holding | None, saved: bool) -> None:
+        old = self.holding
+        if (
+            holding is not None
+            and old is not None
+            and old.restored_depth
+            and not (holding.restored_depth)
+        ):
+            # The slot went on from a restored state: that part is still the restored one.
+            if old.namespace == holding.namespace:
+                kept = min(old.restored_depth, shared_prefix(old.chain, holding.chain))
+                holding.restored_depth = kept
         self.holding = holding
         self.saved = saved
         self.changed_at = time.monotonic()

@@ -243,7 +243,9 @@ class SlotWork:
                 return None
             seconds = time.perf_counter() - started
             n = restored.n_restored
-            slot.restored(Holding(entry.namespace, list(entry.chain), n, entry.n_messages))
+            chain = list(entry.chain)
+            held = Holding(entry.namespace, chain, n, entry.n_messages, restored_depth=len(chain))
+            slot.restored(held)
             self.events.slot_action(SlotActionEvent("restore", True, n, entry.state_bytes, seconds))
             self.background.spawn(self.store.touch_async(entry.key))
             return RestoreOutcome(n, seconds * 1000)

@@ -602,6 +602,40 @@ async def test_reuse_after_restore(
     assert body["timings"]["cache_n"] == len(chat_prompt(other)) - 1
 
 
+async def test_window_reuse_after_restore(
+    http: aiohttp.ClientSession, make_server: MakeServer
+) -> None:
+    """reuse="window" (SWA, --swa-full): restored tokens serve a divergence only within the
+    last `window` of them, also after the restored state was extended."""
+    server = await make_server(reuse="window")
+    long = [{"role": "user", "content": "x" * 100}]
+    answer = (await chat(http, server, long, id_slot=0))["choices"][0]["message"]["content"]
+    held = list(server.slots[0].tokens)
+    await post(http, server, "/slots/0?action=save", {"filename": "w.kv"})
+    shallow = [{"role": "user", "content": "x" * 95 + "y"}]
+    deep = [{"role": "user", "content": "x" * 10 + "y"}]
+    common = common_prefix(held, chat_prompt(shallow))
+    server.window = len(held) - common
+    assert len(held) - common_prefix(held, chat_prompt(deep)) > server.window
+
+    await post(http, server, "/slots/1?action=restore", {"filename": "w.kv"})
+    assert (await chat(http, server, deep, id_slot=1))["timings"]["cache_n"] == 0
+
+    await post(http, server, "/slots/1?action=restore", {"filename": "w.kv"})
+    assert (await chat(http, server, shallow, id_slot=1))["timings"]["cache_n"] == common
+
+    # extended after the restore: a deep divergence still finds nothing
+    await post(http, server, "/slots/1?action=restore", {"filename": "w.kv"})
+    more = [*long, {"role": "assistant", "content": answer}, {"role": "user", "content": "z"}]
+    assert (await chat(http, server, more, id_slot=1))["timings"]["cache_n"] >= len(held)
+    assert (await chat(http, server, deep, id_slot=1))["timings"]["cache_n"] == 0
+
+    # a live slot serves any divergence
+    await chat(http, server, long, id_slot=0)
+    body = await chat(http, server, deep, id_slot=0)
+    assert body["timings"]["cache_n"] == common_prefix(held, chat_prompt(deep))
+
+
 async def test_prompt_delay(http: aiohttp.ClientSession, make_server: MakeServer) -> None:
     server = await make_server(prompt_delay=0.001)
     t0 = time.monotonic()

@@ -127,6 +127,24 @@ class Store:
                 return best, depth
         return None
 
+    def candidates(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
+        """Entries a request could restore, each with the keys it shares with `keys`: the
+        longest match (`lookup`), and every entry that ends exactly at one of the request's
+        boundaries (the request extends it). O(len(keys)) dict look-ups: no pass over the
+        entries that merely share a prefix (every conversation of an agent shares its system
+        prompt). Deepest first."""
+        out: list[tuple[Entry, int]] = []
+        longest = self.lookup(keys, namespace)
+        if longest is not None:
+            out.append(longest)
+        for depth in range(len(keys), 0, -1):
+            entry = self.entries.get(keys[depth - 1])
+            # Keys are chained hashes: an entry under keys[depth - 1] holds keys[:depth].
+            if entry is not None and entry.namespace == namespace:
+                if longest is None or entry is not longest[0]:
+                    out.append((entry, depth))
+        return out
+
     def recent_with_text(self, namespace: str, limit: int = 8) -> list[str]:
         """Keys of the most recently used entries of `namespace` whose text was kept: the
         conversations a miss is compared with (reading every entry's text would not scale)."""

@@ -69,7 +69,7 @@ ERROR_CODES = {
 }
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
-Reuse = Literal["full", "none", "extend"]
+Reuse = Literal["full", "none", "extend", "window"]
 ReplyFn = Callable[[list[dict[str, Any]]], str]
 Json = dict[str, Any]
 
@@ -331,6 +331,8 @@ class FakeSlot:
     id_task: int | None = None
     is_processing: bool = False
     restored: bool = False
+    # reuse="window": tokens that came from a restore and are still in the slot.
+    restored_n: int = 0
     t_last_used: float = -1.0
     n_prompt_processed: int = 0
     n_prompt_cached: int = 0
@@ -341,6 +343,7 @@ class FakeSlot:
     def clear(self) -> None:
         self.tokens = []
         self.restored = False
+        self.restored_n = 0
 
     def to_json(self) -> Json:
         out: Json = {
@@ -685,6 +688,7 @@ class FakeLlamaServer:
         api_key: str | None = None,
         model_path: str = "/models/fake-model.gguf",
         reuse: Reuse = "full",
+        window: int = 512,
         wipe_idle_slots: bool = False,
         reply: ReplyFn | None = None,
         fail_saves: bool = False,
@@ -693,7 +697,7 @@ class FakeLlamaServer:
         slots_endpoint: bool = True,
         ignore_eos: bool = False,
     ) -> None:
-        if reuse not in ("full", "none", "extend"):
+        if reuse not in ("full", "none", "extend", "window"):
             raise ValueError(f"unknown reuse rule {reuse!r}")
         self.n_slots = n_slots
         self.slot_save_path = Path(slot_save_path) if slot_save_path is not None else None
@@ -705,6 +709,9 @@ class FakeLlamaServer:
         self.model_path = model_path
         self.model_name = Path(model_path).name
         self.reuse: Reuse = reuse
+        # reuse="window" (SWA with --swa-full): restored tokens serve a divergence only within
+        # the last `window` of them, for as long as they stay in the slot.
+        self.window = window
         self.wipe_idle_slots = wipe_idle_slots
         self.reply: ReplyFn = reply or default_reply
         # Faults the real server shows only on a full disk / a slow disk.
@@ -1072,6 +1079,7 @@ class FakeLlamaServer:
             return 400, error_json(f"Unable to restore slot: {err}", "invalid_request_error")
         slot.tokens = tokens
         slot.restored = True
+        slot.restored_n = len(tokens)
         return 200, {
             "id_slot": id_slot,
             "filename": filename,
@@ -1130,6 +1138,11 @@ class FakeLlamaServer:
             extends = n_past == len(slot.tokens) and n_prompt > len(slot.tokens)
             if self.reuse == "none" or (self.reuse == "extend" and not extends):
                 n_past = 0  # no context checkpoint to go back to after a restore
+        if self.reuse == "window" and 0 < n_past < slot.restored_n:
+            if slot.restored_n - n_past > self.window:
+                n_past = 0
+        if self.reuse == "window":
+            slot.restored_n = min(slot.restored_n, n_past)
         n_past = min(n_past, n_prompt - 1)  # at least one token is always evaluated
         slot.restored = False
         slot.tokens = slot.tokens[:n_past]

@@ -1,0 +1,239 @@
+"""Openings: the shared start of a namespace's conversations, kept as an entry of its own.
+
+Different sessions of one agent start with the same messages (OpenClaw's and Claude Code's
+~10k-token system prompt). A state restored from disk only serves what its model class
+allows (policy.restore_serves): on sliding-window models a divergence near its end, on
+recurrent and hybrid ones an exact extension. So a new session sharing only the system
+prompt with a stored conversation would start cold. An opening entry ends exactly where the
+shared part ends: every new session extends it, on every model class.
+
+Which boundaries are openings is observed: a request that matches a known conversation
+(resident or stored) only partially, at key depth d >= 1, shows that d is shared. A leading
+system message of ~1k tokens or more (d = 1) is presumed to be one before anything is seen.
+The entry is made from a live slot only (a restored SWA or recurrent state cannot be cut
+back), in `prepare`, at three points:
+
+- a request starting cold that passes through a wanted opening (`prefill`): the opening's
+  canonical tokens are evaluated first (`/completion`, `n_predict: 0`) and saved; the request
+  then extends them on the live slot. Cost: one save of the opening, no extra prefill. This
+  is where an agent's first session leaves its system prompt.
+- a new session or branch landing on the live slot of a conversation it parts from
+  (after that conversation's own save): the slot is cut back to the opening (the server
+  keeps the common prefix, evaluates nothing) and saved; the request is served from it.
+- a slot about to be given to another conversation (after its own save), cut and saved the
+  same way. Not on recurrent and hybrid models: cutting back a live state there
+  re-evaluates the opening (no checkpoint), which an unrelated request should not pay.
+
+Each costs two /apply-template and two /tokenize calls and the save, once per opening while
+its entry lives (then it exists and nothing is done; openings that could not be made are
+not retried). Measured on the bundled Gemma 3 270M: see tests/test_real_openings.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from . import canonical
+from .backend import Backend
+from .config import Settings
+from .policy import (
+    ReuseRule,
+    StoredView,
+    pick_stored,
+    resident_serves,
+    reuse_rule,
+)
+from .slots import Holding, Slot, SlotPool
+from .slotwork import SlotWork
+from .store import Entry, Store
+from .upstream import UpstreamError
+from .wire import Conversation
+
+log = logging.getLogger("kvproxy.cache")
+
+# Openings remembered per namespace (the most recently seen win).
+MAX_PER_NAMESPACE = 4
+SYSTEM_ROLES = ("system", "developer")
+# A leading system message of at least this many characters (~1k tokens) is presumed to be
+# an opening before any other session is seen: an agent's, worth one more save.
+PRESUMED_MIN_CHARS = 4000
+
+
+class Openings:
+    def __init__(self, backend: Backend, store: Store, work: SlotWork, settings: Settings) -> None:
+        self.backend = backend
+        self.store = store
+        self.work = work
+        self.settings = settings
+        self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
+        self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
+
+    # --- the model class's rule
+
+    def rule(self) -> ReuseRule:
+        info = self.backend.model_info
+        if info is None:
+            return reuse_rule("unknown")
+        return reuse_rule(info.model_class, info.n_swa)
+
+    def resident_depth(self, slot: Slot, conv: Conversation) -> int:
+        """How deep the slot holds the request, 0 when what it holds came from disk and
+        cannot serve where the request parts from it."""
+        shared = slot.shared_depth(conv.keys, conv.namespace)
+        held = slot.holding
+        if shared == 0 or held is None:
+            return 0
+        return (
+            shared
+            if resident_serves(self.rule(), shared, held.restored_depth, held.n_tokens)
+            else 0
+        )
+
+    def pick(self, conv: Conversation) -> tuple[Entry, int] | None:
+        """The stored entry the server will reuse most for the request, by the model class's
+        rule (not merely the longest key match), and the boundaries it shares."""
+        found = self.store.candidates(conv.keys, conv.namespace)
+        views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
+        i = pick_stored(self.rule(), len(conv.keys), views)
+        return None if i is None else found[i]
+
+    # --- which boundaries are openings
+
+    def observe(self, conv: Conversation, pool: SlotPool) -> None:
+        """Note the depth at which the request parts from the known conversation it shares
+        most with, when it does not extend it."""
+        stored = self.store.lookup(conv.keys, conv.namespace)
+        best, extends = 0, False
+        for slot in pool.holding_namespace(conv.namespace):
+            held = slot.holding
+            assert held is not None
+            shared = slot.shared_depth(conv.keys, conv.namespace)
+            if shared > best or (shared == best and shared == len(held.chain)):
+                best, extends = shared, shared == len(held.chain)
+        if stored is not None:
+            entry, shared = stored
+            if shared > best or (shared == best and shared == len(entry.chain)):
+                best, extends = shared, shared == len(entry.chain)
+        if best and not extends and best < len(conv.keys):
+            self._note(conv.namespace, conv.keys[best - 1], best)
+
+    def _note(self, namespace: str, key: str, depth: int) -> None:
+        seen = self._seen.setdefault(namespace, {})
+        seen.pop(key, None)
+        seen[key] = depth
+        while len(seen) > MAX_PER_NAMESPACE:
+            del seen[next(iter(seen))]
+
+    def wanted(self, holding: Holding) -> int:
+        """The deepest opening the holding passes through that has no entry yet (0: none)."""
+        seen = self._seen.get(holding.namespace, {})
+        depths = [
+            d for k, d in seen.items() if d < len(holding.chain) and holding.chain[d - 1] == k
+        ]
+        if len(holding.chain) > 1 and _long_system(holding.messages[:1]):
+            depths.append(1)
+        for depth in sorted(set(depths), reverse=True):
+            key = holding.chain[depth - 1]
+            if key not in self.store.entries and key not in self._failed:
+                return depth
+        return 0
+
+    # --- making the entry
+
+    async def before_reassign(self, slot: Slot, conv: Conversation) -> None:
+        """The slot (ours, verified, its own content saved if worth it) is about to hold
+        `conv`: first leave an opening entry from what it holds, when one is wanted. For a
+        new session sharing the opening this also leaves the slot holding exactly it."""
+        held = slot.holding
+        if held is None or not self.backend.disk_enabled:
+            return
+        depth = self.wanted(held)
+        if depth == 0:
+            return
+        incoming = slot.shared_depth(conv.keys, conv.namespace)
+        rule = self.rule()
+        if rule.rule == "extension" and incoming < depth:
+            return  # cutting back would re-evaluate the opening for a request that needs none
+        if not resident_serves(rule, depth, held.restored_depth, held.n_tokens):
+            return  # a restored state that cannot be cut back
+        if not await self.make(slot, depth):
+            self._failed[held.chain[depth - 1]] = None
+            while len(self._failed) > 1024:
+                del self._failed[next(iter(self._failed))]
+
+    async def prefill(self, slot: Slot, conv: Conversation) -> None:
+        """A request that starts cold on `slot` (ours, verified, its content saved if worth
+        it) and passes through a wanted opening: evaluate the opening first and save it; the
+        request then extends it on the live slot, so this costs it one save, no prefill."""
+        if not self.backend.disk_enabled or len(conv.keys) < 2:
+            return
+        held = Holding(conv.namespace, list(conv.keys), 0, len(conv.messages), conv.messages)
+        held.template = dict(conv.template)
+        held.n_tokens = 1 << 62  # not known before the prompt is tokenised; no bound
+        depth = self.wanted(held)
+        if depth == 0:
+            return
+        await self.work.verify(slot)  # slot actions follow: the slot must be idle
+        slot.hold(held, saved=True)  # what the slot held is on disk or not worth keeping
+        if not await self.make(slot, depth):
+            slot.forget()
+            self._failed[conv.keys[depth - 1]] = None
+
+    async def make(self, slot: Slot, depth: int) -> bool:
+        held = slot.holding
+        assert held is not None
+        started = time.perf_counter()
+        messages = held.messages[:depth]
+        if len(messages) < depth:
+            return False
+        try:
+            tokens = await canonical.prefix_tokens(
+                self.work.client, held.template, messages, canonical.VERBATIM
+            )
+        except (UpstreamError, ValueError) as exc:
+            log.debug("no opening for %s: %s", held.key[:12], exc)
+            return False
+        if not tokens or len(tokens) < self.settings.min_tokens or len(tokens) > held.n_tokens:
+            return False
+        slot.mark_started()
+        try:
+            await self.work.client.evaluate(slot.id, tokens)
+        except UpstreamError as exc:
+            log.warning("cutting slot %d to its opening failed: %s", slot.id, exc)
+            await self.work.verify(slot)
+            return False
+        opening = Holding(
+            held.namespace,
+            held.chain[:depth],
+            len(tokens),
+            depth,
+            list(messages),
+            dict(held.template),
+            canonical=True,
+        )
+        slot.hold(opening, saved=False)
+        await self.work.snapshot(slot)
+        saved = await self.work.save(slot)
+        log.info(
+            "slot %d: opening %s (%d messages, %d tokens) %s in %.0f ms",
+            slot.id,
+            opening.key[:12],
+            depth,
+            len(tokens),
+            "saved" if saved else "not saved",
+            (time.perf_counter() - started) * 1000,
+        )
+        return saved
+
+
+def _long_system(messages: list[object]) -> bool:
+    """A leading system message long enough to be presumed an opening (an agent's)."""
+    first = messages[0] if messages else None
+    if not isinstance(first, Mapping) or first.get("role") not in SYSTEM_ROLES:
+        return False
+    content = first.get("content")
+    if isinstance(content, list):
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return isinstance(content, str) and len(content) >= PRESUMED_MIN_CHARS

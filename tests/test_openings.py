@@ -1,0 +1,167 @@
+"""Which state serves a request, by model class (policy.py), and opening entries
+(openings.py): plain data first, then the fake server (`reuse="window"` for SWA after a
+restore, `reuse="extend"` for recurrent models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvproxy.modelinfo import ModelClass, ModelInfo
+from kvproxy.policy import (
+    ReuseRule,
+    StoredView,
+    pick_stored,
+    resident_serves,
+    restore_serves,
+    reuse_rule,
+)
+
+from .conftest import Maker, RunningProxy
+from .test_cache import chat, settle, then
+
+DENSE, SWA, RECURRENT = ReuseRule("prefix"), ReuseRule("window", 256), ReuseRule("extension")
+
+
+def test_rules_by_model_class() -> None:
+    assert reuse_rule("dense") == DENSE
+    assert reuse_rule("swa", 512) == SWA, "half the window: a conservative margin"
+    assert reuse_rule("recurrent") == RECURRENT
+    assert reuse_rule("hybrid") == RECURRENT
+    assert reuse_rule("unknown") == DENSE
+
+
+# An opening entry (the system prompt, 1 boundary) and a 5-boundary conversation that a new
+# session (2 boundaries) shares only the system prompt with.
+OPENING = StoredView(depth=1, shared=1, n_tokens=2000)
+LONG = StoredView(depth=5, shared=1, n_tokens=2600)
+
+
+def test_dense_reuses_any_common_prefix() -> None:
+    assert restore_serves(DENSE, 2, LONG) and restore_serves(DENSE, 2, OPENING)
+    deeper = StoredView(depth=5, shared=3, n_tokens=2600)
+    assert pick_stored(DENSE, 4, [OPENING, deeper]) == 1, "the longest match"
+
+
+def test_swa_after_a_restore_only_serves_a_divergence_near_the_end() -> None:
+    assert not restore_serves(SWA, 2, LONG), "diverges 600 tokens before its end"
+    assert restore_serves(SWA, 2, OPENING), "the request extends it"
+    assert restore_serves(SWA, 2, StoredView(depth=5, shared=1, n_tokens=200)), "all in window"
+    assert restore_serves(SWA, 5, StoredView(depth=5, shared=5, n_tokens=9000)), "same end"
+    assert pick_stored(SWA, 2, [LONG, OPENING]) == 1, "the opening, not the longer match"
+    assert pick_stored(SWA, 2, [LONG]) is None
+
+
+def test_recurrent_only_serves_an_exact_extension() -> None:
+    assert restore_serves(RECURRENT, 2, OPENING)
+    assert not restore_serves(RECURRENT, 2, LONG)
+    assert not restore_serves(RECURRENT, 1, OPENING), "equal, not an extension"
+    assert not restore_serves(RECURRENT, 2, StoredView(depth=5, shared=1, n_tokens=10))
+    assert pick_stored(RECURRENT, 2, [LONG, OPENING]) == 1
+    assert pick_stored(RECURRENT, 6, [StoredView(5, 5, 900), OPENING]) == 0, "the deepest"
+
+
+def test_nothing_shared_serves_nothing() -> None:
+    for rule in (DENSE, SWA, RECURRENT):
+        assert not restore_serves(rule, 3, StoredView(depth=2, shared=0, n_tokens=10))
+        assert not resident_serves(rule, 0, 0, 10)
+
+
+def test_a_resident_state_from_disk_serves_what_its_class_allows() -> None:
+    for rule in (DENSE, SWA, RECURRENT):
+        assert resident_serves(rule, 1, 0, 5000), "computed on the slot: any divergence"
+        assert resident_serves(rule, 3, 3, 5000), "at the restored end"
+        assert resident_serves(rule, 4, 3, 5000), "beyond it"
+    assert resident_serves(DENSE, 1, 3, 5000)
+    assert not resident_serves(SWA, 1, 3, 5000)
+    assert resident_serves(SWA, 1, 3, 200), "everything within the window"
+    assert not resident_serves(RECURRENT, 1, 3, 200)
+
+
+# --- the fake server
+
+SYSTEM = "You are an agent. " + "Follow the rules. " * 230  # ~4,200 characters
+
+
+def session(n: int, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"task {n}"}]
+
+
+def as_class(proxy: RunningProxy, model_class: ModelClass, n_swa: int = 0) -> None:
+    proxy.cache.backend.model_info = ModelInfo(
+        Path("/models/fake.gguf"), n_swa=n_swa, has_swa=n_swa > 0, model_class=model_class
+    )
+
+
+def system_tokens(system: str = SYSTEM) -> int:
+    """The fake's tokens (one per byte) up to the end of the system message."""
+    return len(system.encode())
+
+
+@pytest.mark.parametrize(
+    ("reuse", "model_class", "n_swa"),
+    [("window", "swa", 1024), ("extend", "recurrent", 0), ("full", "dense", 0)],
+)
+async def test_a_new_session_starts_from_the_opening(
+    make: Maker, reuse: str, model_class: ModelClass, n_swa: int
+) -> None:
+    """A (a long system prompt and two turns) is evicted by two unrelated conversations; a
+    new session B with the same system prompt restores the opening entry, not A."""
+    fake, proxy = await make({"reuse": reuse, "window": n_swa // 2 or 512, "n_ctx": 16384})
+    _, r, _ = await chat(proxy, session(1))
+    as_class(proxy, model_class, n_swa)
+    a2 = then(session(1), r, "and now " + "more " * 200)
+    _, r2, h = await chat(proxy, a2)
+    assert h["X-KVProxy-Cache"] == "resident"
+    for other in ("X", "Y"):
+        await chat(proxy, session(9, f"Other system {other}. " + "pad " * 100))
+    await settle(proxy)
+    store = proxy.cache.store
+    openings = [e for e in store.entries.values() if len(e.chain) == 1]
+    assert len(openings) == 1, store.entries
+    assert openings[0].n_tokens >= system_tokens()
+
+    status, body, h = await chat(proxy, session(2))
+    assert status == 200
+    assert h["X-KVProxy-Cache"] == "restored"
+    assert int(h["X-KVProxy-Restored-Tokens"]) == openings[0].n_tokens
+    assert body["timings"]["cache_n"] >= system_tokens()
+
+
+async def test_swa_resident_from_disk_is_not_claimed_when_it_cannot_serve(make: Maker) -> None:
+    """A slot holding a state restored from disk (SWA) that a new session shares only the
+    system prompt with: not `resident` (the server would reuse nothing), the opening."""
+    fake, proxy = await make({"reuse": "window", "window": 512, "n_ctx": 16384})
+    _, r, _ = await chat(proxy, session(1))
+    as_class(proxy, "swa", 1024)
+    a2 = then(session(1), r, "and now " + "more " * 200)
+    _, r2, _ = await chat(proxy, a2)
+    for other in ("X", "Y"):
+        await chat(proxy, session(9, f"Other system {other}. " + "pad " * 100))
+    await settle(proxy)
+    _, _, h = await chat(proxy, then(a2, r2, "third"))  # A comes back from disk
+    assert h["X-KVProxy-Cache"] == "restored"
+    await settle(proxy)
+    status, body, h = await chat(proxy, session(3))
+    assert h["X-KVProxy-Cache"] == "restored", "the opening, restored over A's slot"
+    assert body["timings"]["cache_n"] >= system_tokens()
+
+
+async def test_an_observed_opening_is_made_when_a_new_session_lands_on_the_slot(
+    make: Maker,
+) -> None:
+    """A short system prompt (not presumed): the second session that shares it shows it is
+    shared; it lands on the first session's live slot, which is saved, cut to the opening and
+    saved as the opening entry; the new session is served from it."""
+    fake, proxy = await make()
+    short = "Short agent prompt. " + "x " * 200
+    _, r, _ = await chat(proxy, session(1, short))
+    await chat(proxy, then(session(1, short), r, "go on"))
+    await settle(proxy)
+    assert not proxy.cache.store.entries
+    status, body, h = await chat(proxy, session(2, short))
+    assert status == 200 and h["X-KVProxy-Cache"] == "resident"
+    assert body["timings"]["cache_n"] >= system_tokens(short)
+    chains = sorted(len(e.chain) for e in proxy.cache.store.entries.values())
+    assert chains == [1, 5], "the opening, and the first session kept"
