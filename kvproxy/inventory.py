@@ -11,20 +11,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from pydantic import ByteSize, TypeAdapter
 
 from .config import Settings, parse_duration
+from .display import Progress, entries_, human_age, human_bytes, table
 from .flags import add_settings_flags, settings_from_args
+from .statscmd import cmd_stats
 from .store import Entry, Store
 
 MIN_PREFIX = 6
-PROGRESS_MIN = 100  # operations on at least this many entries report progress on stderr
 SORTS: dict[str, tuple[Callable[[Entry], float], bool]] = {
     # name: (key, descending): the default direction puts the most interesting first
     "last-used": (lambda e: e.last_used, True),
@@ -129,7 +128,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for e in shown
     ]
     if rows:
-        _table(["KEY", "TOKENS", "SIZE", "AGE", "LAST USED", "HITS", "MSGS"], rows, {1, 2, 5, 6})
+        table(["KEY", "TOKENS", "SIZE", "AGE", "LAST USED", "HITS", "MSGS"], rows, {1, 2, 5, 6})
     total = sum(e.on_disk for e in entries)
     more = f" (showing {len(shown)})" if len(shown) < len(entries) else ""
     print(
@@ -257,111 +256,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 # --- stats
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    url = (args.url or _own_url(settings)).rstrip("/")
-    request = urllib.request.Request(url + "/kvproxy/stats", headers={"Accept": "application/json"})
-    if settings.admin_token is not None:
-        request.add_header("Authorization", f"Bearer {settings.admin_token.get_secret_value()}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 401:
-            return _fail(f"{url} needs its admin token (--admin-token or KVPROXY_ADMIN_TOKEN)")
-        return _fail(f"{url}/kvproxy/stats answered HTTP {exc.code}: is this a kvproxy?")
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return _fail(f"no kvproxy answering at {url} ({reason}); is `kvproxy serve` running?")
-    try:
-        stats = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return _fail(f"{url}/kvproxy/stats did not answer JSON: is this a kvproxy?")
-    if args.json:
-        print(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
-    else:
-        print(render_stats(stats, url))
-    return 0
-
-
-def _own_url(settings: Settings) -> str:
-    host = settings.host
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"  # listening everywhere: loopback reaches it
-    elif host == "::":
-        host = "::1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{settings.port}"
-
-
-def render_stats(s: dict[str, Any], url: str) -> str:
-    """A readable table of `/kvproxy/stats`; tolerant of missing fields (older proxies)."""
-    req = s.get("requests") or {}
-    hist = s.get("histograms") or {}
-    cached, prefilled = int(s.get("tokens_cached", 0)), int(s.get("tokens_prefilled", 0))
-    share = f" ({100 * cached / (cached + prefilled):.1f}%)" if cached + prefilled else ""
-
-    def ms(name: str, q: str = "p50") -> str:
-        value = (hist.get(name) or {}).get(q)
-        return "-" if value is None else f"{value * 1000:.0f} ms"
-
-    def on(flag: Any) -> str:
-        return "on" if flag else "OFF"
-
-    rows = [
-        ["proxy", f"{url}: caching {on(s.get('enabled'))}, disk {on(s.get('disk_enabled'))}"],
-        [
-            "requests",
-            "  ".join(f"{d} {req.get(d, 0):,}" for d in ("resident", "restored", "miss", "bypass")),
-        ],
-        ["tokens", f"from cache {cached:,}{share}, prefilled {prefilled:,}"],
-        [
-            "prefill time",
-            f"saved ≈ {s.get('prefill_seconds_saved', 0):.1f} s, "
-            f"spent {s.get('prefill_seconds', 0):.1f} s",
-        ],
-        [
-            "saves",
-            f"{s.get('saves', 0):,} ok, {s.get('save_failures', 0):,} failed, "
-            f"{human_bytes(int(s.get('saved_bytes', 0)))}, p50 {ms('save_seconds')}",
-        ],
-        [
-            "restores",
-            f"{s.get('restores', 0):,} ok, {s.get('restore_failures', 0):,} failed, "
-            f"{s.get('restored_tokens', 0):,} tokens, p50 {ms('restore_seconds')}, "
-            f"{s.get('ineffective_restores', 0):,} not reused by the server",
-        ],
-        [
-            "queue",
-            f"{s.get('queue_waiting', 0)} waiting, wait p50 {ms('queue_wait_seconds')}, "
-            f"p90 {ms('queue_wait_seconds', 'p90')}",
-        ],
-        [
-            "disk",
-            f"{entries_(s.get('entries', 0))}, {human_bytes(int(s.get('disk_bytes', 0)))}, "
-            f"{s.get('evictions', 0):,} evicted",
-        ],
-        [
-            "misses",
-            f"{s.get('miss_explained', 0):,} explained (see the log), "
-            f"{s.get('slot_resets_seen', 0):,} slot resets seen",
-        ],
-    ]
-    lines = [f"{name:<13}{text}" for name, text in rows]
-    lines.append("slots")
-    for slot in s.get("slots") or []:
-        key = slot.get("key")
-        held = f"{key[:12]}  {slot.get('n_tokens', 0):,} tokens" if key else "empty"
-        state = "busy" if slot.get("busy") else "idle"
-        saved = "  saved" if key and slot.get("saved") else ("  unsaved" if key else "")
-        lines.append(f"  {slot.get('id')}  {state:<5} {held}{saved}")
-    return "\n".join(lines)
-
-
-# --- helpers
-
-
 def _settings(args: argparse.Namespace) -> Settings:
     return settings_from_args(args)
 
@@ -409,65 +303,3 @@ def _budget(settings: Settings) -> str:
 def _fail(message: str, code: int = 1) -> int:
     print(f"kvproxy: {message}", file=sys.stderr)
     return code
-
-
-def _table(header: list[str], rows: Iterable[list[str]], right: set[int]) -> None:
-    rows = list(rows)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        cells = [
-            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)
-        ]
-        print("  ".join(cells).rstrip())
-
-
-def entries_(n: int, counted: bool = True) -> str:
-    word = "entry" if n == 1 else "entries"
-    return f"{n:,} {word}" if counted else word
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            whole = int(seconds // size)
-            rest = int((seconds - whole * size) // {"d": 3600, "h": 60, "m": 1}[unit])
-            small = {"d": "h", "h": "m", "m": "s"}[unit]
-            return f"{whole}{unit}{rest}{small}" if rest and whole < 10 else f"{whole}{unit}"
-    return f"{int(seconds)}s"
-
-
-class Progress:
-    """Progress of a long operation on stderr: a line every 10% (in place on a terminal)."""
-
-    def __init__(self, what: str, total: int, out: TextIO | None = None) -> None:
-        self.what, self.total, self.done = what, total, 0
-        self.out = out or sys.stderr
-        self.shown = total >= PROGRESS_MIN
-        self.tty = self.out.isatty()
-        self._next = 0
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def step(self) -> None:
-        self.done += 1
-        if self.shown and (self.done >= self._next or self.done == self.total):
-            pct = 100 * self.done // self.total
-            end = "\r" if self.tty and self.done < self.total else "\n"
-            print(f"{self.what} {self.done}/{self.total} ({pct}%)", end=end, file=self.out)
-            self.out.flush()
-            self._next = self.done + max(1, self.total // 10)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.shown and self.done and self.done < self.total:
-            print(file=self.out)  # leave the terminal on a fresh line after an error

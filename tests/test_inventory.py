@@ -12,7 +12,7 @@ import pytest
 
 from kvproxy import keys
 from kvproxy.cli import main
-from kvproxy.inventory import PROGRESS_MIN, human_age, human_bytes
+from kvproxy.display import PROGRESS_MIN, human_age, human_bytes
 from kvproxy.managed import free_port
 from kvproxy.store import Entry, Store
 
