@@ -21,6 +21,27 @@ from .upstream import Upstream, UpstreamError
 
 log = logging.getLogger("kvproxy.cache")
 
+# Routes the server serves on slots it picks itself (they ignore `id_slot`), each with the
+# route that probes whether the server serves that kind at all. An embedding or rerank task
+# takes a slot and replaces its cached prompt (server-context.cpp: stateless tasks start from
+# n_past 0), a transcription is a completion: served, they hold every slot (unkeyed.py). A
+# server not started for them (no --embeddings, --reranking, audio model) answers 501 at
+# once without a task: then they pass straight through, never queued behind every slot.
+# Probed when such a request comes, at most every PROPS_CHECK_INTERVAL.
+SLOT_PICKING_ROUTES = {
+    "/embedding": "/embeddings",
+    "/embeddings": "/embeddings",
+    "/v1/embeddings": "/embeddings",
+    "/rerank": "/rerank",
+    "/reranking": "/rerank",
+    "/v1/rerank": "/rerank",
+    "/v1/reranking": "/rerank",
+    "/audio/transcriptions": "/v1/audio/transcriptions",
+    "/v1/audio/transcriptions": "/v1/audio/transcriptions",
+}
+# Statuses of a request the server refused without a slot.
+REFUSED_STATUSES = frozenset({404, 501})
+
 # How often a running proxy checks that the server is still the one it knows.
 PROPS_CHECK_INTERVAL = 15.0
 # While the server refuses GET /slots (caching off), how often a request may look again.
@@ -37,6 +58,8 @@ class Backend:
         self.model_identity = ""
         self.model_info: ModelInfo | None = None
         self._last_props_check = 0.0
+        # Probe route (SLOT_PICKING_ROUTES) -> (the server refuses it, when that was seen).
+        self._refusals: dict[str, tuple[bool, float]] = {}
         # When a server that answered /props last refused GET /slots: requests then look again
         # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
         self._no_slots_seen = 0.0
@@ -73,6 +96,7 @@ class Backend:
                 log.info("llama-server changed (model or slots): forgetting what slots held")
             self.pool.resize(len(slots))
             self.pool.forget_all()
+            self._refusals.clear()
             self.model_identity = identity
             self.model_info = await asyncio.to_thread(
                 read_model_info, str(props.get("model_path") or "")
@@ -88,6 +112,23 @@ class Backend:
             )
         self.enabled = True
         self._last_props_check = time.monotonic()
+
+    async def refuses(self, path: str) -> bool:
+        """Whether the server answers `path` without a slot (see SLOT_PICKING_ROUTES)."""
+        probe = SLOT_PICKING_ROUTES.get(path)
+        if probe is None:
+            return False
+        known = self._refusals.get(probe)
+        if known is None or time.monotonic() - known[1] > PROPS_CHECK_INTERVAL:
+            known = (await self.client.refuses(probe), time.monotonic())
+            self._refusals[probe] = known
+        return known[0]
+
+    def served(self, path: str) -> None:
+        """The server served `path` after all (restarted for it since it was probed)."""
+        probe = SLOT_PICKING_ROUTES.get(path)
+        if probe is not None:
+            self._refusals[probe] = (False, time.monotonic())
 
 
 def model_identity(props: dict[str, Any]) -> str:

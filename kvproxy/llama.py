@@ -108,6 +108,16 @@ class LlamaClient:
             raise UpstreamError(f"slot {action} answered {_short(res)}")
         return res
 
+    async def refuses(self, path: str) -> bool:
+        """Whether the server refuses `path` outright: 501 (not started for it, e.g. no
+        --embeddings) or 404 (no such route). Probed with `{}`, which a route it serves
+        refuses (400) before it creates any task, so no slot is touched either way."""
+        try:
+            await self.upstream.post_json(path, {}, timeout=30.0)
+        except UpstreamError as exc:
+            return exc.status in (404, 501)
+        return False
+
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         """The prompt the server renders for a chat body (messages and template fields)."""
         res = await self.upstream.post_json("/apply-template", dict(body))

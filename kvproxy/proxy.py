@@ -13,6 +13,7 @@ from urllib.parse import quote
 import orjson
 from aiohttp import StreamReader, web
 
+from .backend import SLOT_PICKING_ROUTES
 from .cache import ConversationCache
 from .config import Settings
 from .errors import error_response
@@ -37,7 +38,7 @@ MESSAGES_PATHS = frozenset({"/v1/messages"})
 # Routes whose `id_slot` the server honours: pinned so the proxy's picture of slots stays true.
 PINNABLE_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
-UNPINNABLE_PATHS = frozenset({"/v1/messages", "/v1/embeddings", "/embeddings", "/embedding"})
+UNPINNABLE_PATHS = frozenset({"/v1/messages", *SLOT_PICKING_ROUTES})
 
 # Resumable streams (server-stream.cpp): replay (GET), stop (DELETE) and discovery by id.
 RESUMABLE_STREAM_PATHS = frozenset({"/v1/stream", "/v1/streams/lookup"})
@@ -219,7 +220,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         if path in PINNABLE_PATHS:
             return await cache.unkeyed.handle_pinned(request, _path_qs(path, request))
         if path in UNPINNABLE_PATHS:
-            return await cache.unkeyed.handle_unpinnable(request, _path_qs(path, request))
+            return await cache.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
     return await forward(request, service, _path_qs(path, request))
 
 

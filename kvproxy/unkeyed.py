@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from . import jsonbody
-from .backend import Backend
+from .backend import REFUSED_STATUSES, Backend
 from .errors import error_response
 from .events import Events, RequestEvent
 from .leases import Background, Lease
@@ -74,10 +74,19 @@ class Unkeyed:
         finally:
             lease.release()
 
-    async def handle_unpinnable(self, request: web.Request, path_qs: str) -> web.StreamResponse:
-        """Routes that ignore `id_slot` (e.g. /v1/messages): the server picks a slot itself, so
-        the proxy holds all of them, saves what would be lost, and re-reads them afterwards."""
-        return await self.hold_all(request, path_qs, await request.read())
+    async def handle_unpinnable(
+        self, request: web.Request, path_qs: str, path: str
+    ) -> web.StreamResponse:
+        """Routes that ignore `id_slot` (embeddings, rerank, ...): the server picks a slot
+        itself, so the proxy holds all of them, saves what would be lost, and re-reads them
+        afterwards; unless the server refuses the route outright, without a slot."""
+        body = await request.read()
+        if self.backend.enabled and await self.backend.refuses(path):
+            result = await self.relay_bypass(request, path_qs, body)
+            if result.status not in REFUSED_STATUSES:
+                self.backend.served(path)
+            return result.response
+        return await self.hold_all(request, path_qs, body)
 
     async def hold_all(self, request: web.Request, path_qs: str, body: bytes) -> web.StreamResponse:
         if not self.backend.enabled:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import orjson
 import pytest
 
 from kvproxy.managed import free_port
+from kvproxy.proxy import SERVICE
 
 from .conftest import Maker, RealServer, RunningProxy, start_proxy, start_real_server
 
@@ -349,3 +351,71 @@ async def test_several_completions_hold_every_slot(
     assert status == 200
     # A's state was saved before B's request ran, not lost: turn 2 reuses turn 1's prompt.
     assert done["timings"]["cache_n"] >= reply["timings"]["prompt_n"] - 8, (cache, done["timings"])
+
+
+# --- requests the server refuses without a slot never queue behind every slot
+
+
+async def _timed_post(url: str, body: dict[str, Any]) -> tuple[int, float]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        await r.read()
+        return r.status, time.monotonic()
+
+
+@pytest.mark.real
+async def test_embeddings_the_server_refuses_do_not_wait_for_every_slot(
+    real_server: RealServer, rproxy: RunningProxy
+) -> None:
+    embed = {"input": "hello", "model": "any"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(real_server.url + "/v1/embeddings", json=embed) as r,
+    ):
+        assert r.status == 501  # started without --embeddings: refused at once, no slot used
+    long = {
+        "messages": [{"role": "user", "content": "Count to a thousand."}],
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    url = rproxy.url + "/v1/chat/completions"
+    busy = [asyncio.create_task(_timed_post(url, long)) for _ in range(2)]  # every slot
+    while sum(s.busy for s in rproxy.cache.pool.slots) < 2:
+        await asyncio.sleep(0.02)
+    status, answered = await _timed_post(rproxy.url + "/v1/embeddings", embed)
+    done = await asyncio.gather(*busy)
+    assert status == 501
+    assert all(code == 200 for code, _ in done)
+    assert answered < min(t for _, t in done)  # not queued behind the long generations
+
+
+@pytest.mark.real
+async def test_embeddings_the_server_serves_still_hold_every_slot(cache_dir: Path) -> None:
+    """An embedding takes a slot the server picks and replaces its cached prompt."""
+    extra = ("--cache-ram", "0", "--swa-full", "--embeddings", "--pooling", "mean")
+    server = await asyncio.to_thread(start_real_server, cache_dir, extra=extra)
+    proxy = await start_proxy(server.url, cache_dir)
+    try:
+        backend = proxy.app[SERVICE].cache.backend
+        assert not await backend.refuses("/v1/embeddings")
+        assert await backend.refuses("/v1/rerank") and await backend.refuses(
+            "/audio/transcriptions"
+        )
+        turn1 = [
+            {"role": "system", "content": f"You are {secrets.token_hex(4)}. " + "Be brief. " * 60},
+            {"role": "user", "content": "Say hello."},
+        ]
+        gen = {"max_tokens": 4, "temperature": 0}
+        url = proxy.url + "/v1/chat/completions"
+        status, reply, _ = await _post_json(url, {"messages": turn1, **gen}, {})
+        assert status == 200
+        for word in ("apple ", "river "):  # unlike each other: one slot each, LRU, one is A's
+            embed = {"input": word * 300, "model": "any"}
+            status, _, cache = await _post_json(proxy.url + "/v1/embeddings", embed, {})
+            assert status == 200 and cache == "bypass"
+        turn2 = [*turn1, reply["choices"][0]["message"], {"role": "user", "content": "Again."}]
+        status, done, _ = await _post_json(url, {"messages": turn2, **gen}, {})
+        assert done["timings"]["cache_n"] >= reply["timings"]["prompt_n"] - 8, done["timings"]
+    finally:
+        await proxy.stop()
+        await asyncio.to_thread(server.stop)
