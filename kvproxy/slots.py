@@ -132,6 +132,11 @@ class SlotPool:
         self._cond = asyncio.Condition()
         self.waiting = 0
         self._notifying: set[asyncio.Task[None]] = set()
+        # Requests are numbered as they come. While a request waits for every slot, the ones
+        # that came after it wait too: else a steady load always takes a slot first and the
+        # wait for all of them never ends.
+        self._arrivals = 0
+        self._draining: list[int] = []  # numbers of the requests waiting for every slot
 
     def resize(self, n_slots: int) -> None:
         if n_slots != len(self.slots):
@@ -188,7 +193,12 @@ class SlotPool:
             if home.shared_depth(keys, namespace) > 0:
                 wanted = home.id
 
+        self._arrivals += 1
+        arrival = self._arrivals
+
         def ready() -> bool:
+            if self._draining and self._draining[0] < arrival:
+                return False
             if wanted is not None:
                 return not self.slots[wanted].busy
             return any(not s.busy for s in self.slots)
@@ -215,17 +225,36 @@ class SlotPool:
             return slot, depth
 
     async def acquire_all(self) -> list[Slot]:
-        """Every slot, for requests whose slot the server chooses itself."""
-        taken: list[Slot] = []
-        try:
+        """Every slot, for requests whose slot the server chooses itself: taken together once
+        all are idle, before anything that came later (earlier requests go first)."""
+        self._arrivals += 1
+        arrival = self._arrivals
+
+        def ready() -> bool:
+            if self._draining and self._draining[0] != arrival:
+                return False
+            return not any(s.busy for s in self.slots)
+
+        async with self._cond:
+            if not ready():
+                if self.waiting >= self.max_queue:
+                    raise QueueFull("all slots are busy and the queue is full", 1)
+                self.waiting += 1
+                self._draining.append(arrival)
+                try:
+                    await asyncio.wait_for(self._cond.wait_for(ready), self.queue_timeout)
+                except TimeoutError:
+                    raise QueueFull(
+                        f"not every slot became free within {self.queue_timeout:g}s", 5
+                    ) from None
+                finally:
+                    self.waiting -= 1
+                    self._draining.remove(arrival)
+                    self._cond.notify_all()  # those that came later may go now
             for slot in self.slots:
-                got, _ = await self.acquire(wanted=slot.id)
-                taken.append(got)
-        except BaseException:
-            for slot in taken:
-                self.release(slot)
-            raise
-        return taken
+                slot.busy = True
+                slot.mark_started()
+            return list(self.slots)
 
     def release(self, slot: Slot) -> None:
         """Sync, so it is safe in `finally` blocks of cancelled tasks."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -419,3 +420,40 @@ async def test_embeddings_the_server_serves_still_hold_every_slot(cache_dir: Pat
     finally:
         await proxy.stop()
         await asyncio.to_thread(server.stop)
+
+
+# --- a request that must hold every slot is not starved by a steady load
+
+
+async def test_hold_all_is_not_starved_under_load(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.02})
+    url = proxy.url + "/v1/chat/completions"
+    one = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    stop = asyncio.Event()
+    latencies: list[float] = []
+
+    async def client(n: int) -> None:
+        async with aiohttp.ClientSession() as s:
+            while not stop.is_set():
+                body = {**one, "messages": [{"role": "user", "content": f"client {n}"}]}
+                sent = time.monotonic()
+                async with s.post(url, json=body) as r:
+                    await r.read()
+                latencies.append(time.monotonic() - sent)
+
+    load = [asyncio.create_task(client(n)) for n in range(16)]
+    try:
+        await asyncio.sleep(0.5)  # both slots always busy, requests always waiting
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={**one, "n": 2}) as r:  # holds every slot
+                assert r.status == 200 and r.headers["X-KVProxy-Cache"] == "bypass"
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+        await asyncio.gather(*load)
+    # It waits its turn among the requests that came before it, and for those running, like
+    # any request (~1.6 s here: 16 clients on 2 slots, ~0.2 s each); not for one slot, then
+    # the whole queue again for the next while holding the first (~2.5 times as long).
+    typical = statistics.median(latencies)
+    assert waited < 1.6 * typical + 0.3, (waited, typical)
