@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .. import canonical, keys
 from ..replies import Reply
 
 
@@ -100,3 +101,25 @@ class WireAdapter(Protocol):
     def echoed(self, reply: Reply) -> dict[str, Any]:
         """The reply as the client will send it back in its next request."""
         ...
+
+
+def keyed(
+    payload: dict[str, Any],
+    rendered: dict[str, Any],
+    model_identity: str,
+    tenant: str | None,
+) -> Conversation | NotKeyed:
+    """Key a request whose chat-form body, as the server renders it, is `rendered` (its
+    `messages` keyed one by one, its prompt-shaping fields in the namespace); `payload` is
+    what goes to the server."""
+    messages = rendered.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return NotKeyed("no messages")
+    if several_slots(rendered):
+        return NotKeyed("more than one completion (n, n_cmpl)", several_slots=True)
+    ns = keys.namespace(model_identity, rendered, tenant)
+    try:
+        chain = keys.chain(ns, messages)
+    except keys.UnkeyableRequest as exc:
+        return NotKeyed(str(exc))
+    return Conversation(payload, ns, chain, messages, canonical.template_fields(rendered))

@@ -7,9 +7,8 @@ from typing import Any
 
 import orjson
 
-from .. import canonical, keys
 from ..replies import Reply, ReplyCapture
-from . import Conversation, NotKeyed, several_slots
+from . import Conversation, NotKeyed, keyed
 
 
 class ChatAdapter:
@@ -22,17 +21,7 @@ class ChatAdapter:
     def read(
         self, payload: dict[str, Any], model_identity: str, tenant: str | None
     ) -> Conversation | NotKeyed:
-        messages = payload.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return NotKeyed("no messages")
-        if several_slots(payload):
-            return NotKeyed("more than one completion (n, n_cmpl)", several_slots=True)
-        ns = keys.namespace(model_identity, payload, tenant)
-        try:
-            chain = keys.chain(ns, messages)
-        except keys.UnkeyableRequest as exc:
-            return NotKeyed(str(exc))
-        return Conversation(payload, ns, chain, messages, canonical.template_fields(payload))
+        return keyed(payload, payload, model_identity, tenant)
 
     def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
         return orjson.dumps({**payload, "id_slot": slot_id})

@@ -12,13 +12,13 @@ group then carries timings, which marks where a group ends and gives message_sta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from .. import canonical, keys
 from ..replies import Reply, ReplyCapture
-from . import Conversation, NotKeyed
+from . import Conversation, NotKeyed, keyed
 from .anthropic import NotConvertible, convert_message, to_chat
 
 CHAT_PATH = "/v1/chat/completions"
@@ -79,15 +79,7 @@ class MessagesAdapter:
             chat = to_chat(payload)
         except NotConvertible as exc:
             return NotKeyed(str(exc))
-        messages = chat["messages"]
-        if not messages:
-            return NotKeyed("no messages")
-        ns = keys.namespace(model_identity, chat, tenant)
-        try:
-            chain = keys.chain(ns, messages)
-        except keys.UnkeyableRequest as exc:
-            return NotKeyed(str(exc))
-        return Conversation(chat, ns, chain, messages, canonical.template_fields(chat))
+        return keyed(chat, chat, model_identity, tenant)
 
     def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
         body = {**payload, "id_slot": slot_id}
@@ -256,20 +248,11 @@ class MessageStream:
         deltas = self._deltas(group)
         self._accumulate(deltas)
         text_index = 1 if self.reasoning else 0
-        thinking_started, text_started = self.thinking_started, self.text_started
+        started = _Started(self.thinking_started, self.text_started)
         for d in deltas:
-            if d.get("reasoning_content"):
-                if not thinking_started:
-                    out += _start(0, {"type": "thinking", "thinking": ""})
-                    thinking_started = True
-                out += _delta(0, {"type": "thinking_delta", "thinking": d["reasoning_content"]})
-            if d.get("content"):
-                if not text_started:
-                    out += _start(text_index, {"type": "text", "text": ""})
-                    text_started = True
-                out += _delta(text_index, {"type": "text_delta", "text": d["content"]})
+            out += _text_events(d, text_index, started)
             for tc in d.get("tool_calls") or []:
-                index = (1 if self.reasoning else 0) + (1 if text_started else 0)
+                index = (1 if self.reasoning else 0) + (1 if started.text else 0)
                 index += int(tc.get("index", 0))
                 fn = tc.get("function") or {}
                 if fn.get("name"):
@@ -291,19 +274,10 @@ class MessageStream:
         self._accumulate(deltas)
         has_thinking, has_text = bool(self.reasoning), bool(self.content)
         text_index = 1 if has_thinking else 0
-        thinking_started = text_started = False
+        started = _Started(thinking=False, text=False)
         calls_started: set[int] = set()
         for d in deltas:
-            if d.get("reasoning_content"):
-                if not thinking_started:
-                    out += _start(0, {"type": "thinking", "thinking": ""})
-                    thinking_started = True
-                out += _delta(0, {"type": "thinking_delta", "thinking": d["reasoning_content"]})
-            if d.get("content"):
-                if not text_started:
-                    out += _start(text_index, {"type": "text", "text": ""})
-                    text_started = True
-                out += _delta(text_index, {"type": "text_delta", "text": d["content"]})
+            out += _text_events(d, text_index, started)
             for tc in d.get("tool_calls") or []:
                 i = int(tc.get("index", 0))
                 index = (1 if has_thinking else 0) + (1 if has_text else 0) + i
@@ -342,6 +316,30 @@ class MessageStream:
         )
         out += _event("message_stop", {"type": "message_stop"})
         return bytes(out)
+
+
+@dataclass
+class _Started:
+    """Which of the reply's blocks the events so far have started."""
+
+    thinking: bool
+    text: bool
+
+
+def _text_events(d: dict[str, Any], text_index: int, started: _Started) -> bytes:
+    """One diff's reasoning and text as events: a block's start the first time, then deltas."""
+    out = bytearray()
+    if d.get("reasoning_content"):
+        if not started.thinking:
+            out += _start(0, {"type": "thinking", "thinking": ""})
+            started.thinking = True
+        out += _delta(0, {"type": "thinking_delta", "thinking": d["reasoning_content"]})
+    if d.get("content"):
+        if not started.text:
+            out += _start(text_index, {"type": "text", "text": ""})
+            started.text = True
+        out += _delta(text_index, {"type": "text_delta", "text": d["content"]})
+    return bytes(out)
 
 
 def _start(index: int, block: dict[str, Any]) -> bytes:

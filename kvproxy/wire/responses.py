@@ -22,9 +22,8 @@ from typing import Any
 
 import orjson
 
-from .. import canonical, keys
 from ..replies import Reply
-from . import Conversation, NotKeyed, several_slots
+from . import Conversation, NotKeyed, keyed
 
 
 class NotConvertible(ValueError):
@@ -265,20 +264,10 @@ class ResponsesAdapter:
             chat = to_chat(payload)
         except NotConvertible as exc:
             return NotKeyed(f"the server rejects this Responses body: {exc}")
-        messages = chat["messages"]
-        if not messages:
-            return NotKeyed("no input")
-        if several_slots(chat):
-            return NotKeyed("more than one completion (n, n_cmpl)", several_slots=True)
         # The prompt-shaping fields as the server reads them: chat-form `tools`,
         # `reasoning_effort` from `reasoning.effort`; `client_metadata`, `prompt_cache_key`,
         # `metadata`, `user`, `store`, `stream` shape nothing and stay out of the keys.
-        ns = keys.namespace(model_identity, chat, tenant)
-        try:
-            chain = keys.chain(ns, messages)
-        except keys.UnkeyableRequest as exc:
-            return NotKeyed(str(exc))
-        return Conversation(payload, ns, chain, messages, canonical.template_fields(chat))
+        return keyed(payload, chat, model_identity, tenant)
 
     def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
         return orjson.dumps({**payload, "id_slot": slot_id})
