@@ -32,26 +32,33 @@ class Reply:
         return message
 
 
-class ReplyCapture:
-    """Fed every chunk the client received; `finish()` makes sense of them afterwards."""
+class CapturedBytes:
+    """A reply's bytes as they were relayed, up to `limit` (a reply beyond it is not
+    captured). `feed` only appends: the client's bytes must not wait for parsing; the reply
+    is made sense of once, in the subclass's `finish()`, after the client has all of it."""
 
     def __init__(self, streaming: bool, limit: int = 64 * 1024 * 1024) -> None:
         self.streaming = streaming
         self.limit = limit
-        self.reply = Reply()
         self._buf = bytearray()
         self._overflow = False
-        self._calls: dict[int, dict[str, Any]] = {}
 
     def feed(self, chunk: bytes) -> None:
-        # Only appends: the client's bytes must not wait for parsing. The reply is made sense
-        # of once, in finish(), after the client has all of it.
         if self._overflow:
             return
         self._buf += chunk
         if len(self._buf) > self.limit:
             self._overflow = True
             self._buf.clear()
+
+
+class ReplyCapture(CapturedBytes):
+    """A chat completion's reply, streamed or not."""
+
+    def __init__(self, streaming: bool, limit: int = 64 * 1024 * 1024) -> None:
+        super().__init__(streaming, limit)
+        self.reply = Reply()
+        self._calls: dict[int, dict[str, Any]] = {}
 
     def finish(self) -> Reply | None:
         if self._overflow:

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from ..replies import Reply
+from ..replies import CapturedBytes, Reply
 from . import Conversation, NotKeyed, keyed
 
 
@@ -291,22 +291,8 @@ class ResponsesAdapter:
         return messages[0]
 
 
-class ResponsesCapture:
-    """Fed every chunk the client received; `finish()` reads the response afterwards."""
-
-    def __init__(self, streaming: bool, limit: int = 64 * 1024 * 1024) -> None:
-        self.streaming = streaming
-        self.limit = limit
-        self._buf = bytearray()
-        self._overflow = False
-
-    def feed(self, chunk: bytes) -> None:
-        if self._overflow:
-            return
-        self._buf += chunk
-        if len(self._buf) > self.limit:
-            self._overflow = True
-            self._buf.clear()
+class ResponsesCapture(CapturedBytes):
+    """A Responses reply: the JSON body, or the `response.completed` event."""
 
     def finish(self) -> Reply | None:
         if self._overflow:
