@@ -95,7 +95,7 @@ async def serve(settings: Settings) -> int:
             # KV memory: every layer keeps the whole context instead of the window.
             log.info("%s is a sliding-window model: adding --swa-full", info.architecture)
             extra.append("--swa-full")
-        port = free_port()
+        port = free_port(avoid=settings.port)
         command = build_server_command(
             binary,
             model,

@@ -71,10 +71,15 @@ def resolve_model(model: str, models_dir: Path | None = None) -> Path:
     return Path(bundled.assemble(target))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
+    """A port free now. `avoid`: one that is taken but not bound yet (the proxy's own, when
+    managed mode picks the server's before the proxy listens), which the OS may hand out."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port != avoid:
+            return port
 
 
 def server_command(
