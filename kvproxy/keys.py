@@ -153,8 +153,9 @@ def is_key(name: str) -> bool:
     return len(name) == KEY_HEX_LEN and all(c in "0123456789abcdef" for c in name)
 
 
-def shared_prefix(a: Sequence[str], b: Sequence[str]) -> int:
-    """How many leading keys two chains share: the messages both conversations start with."""
+def shared_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items two sequences share: for key chains, the messages both
+    conversations start with; for token lists, what a server could reuse."""
     n = 0
     for mine, theirs in zip(a, b, strict=False):
         if mine != theirs:

@@ -109,12 +109,3 @@ class Client:
             base + "/tokenize", {"content": rendered["prompt"], "add_special": True}
         )
         return [int(t) for t in tokens["tokens"]]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

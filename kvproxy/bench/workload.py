@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..keys import shared_prefix
 from .arms import (
     ALL_ARMS,
     DIRECT_NO_CACHE,
@@ -33,7 +34,7 @@ from .arms import (
     ProxyArm,
     make_arm,
 )
-from .client import Client, Reply, common_prefix
+from .client import Client, Reply
 from .conversations import facts_for, first_turn, next_turn
 from .report import pct, progress, table
 
@@ -188,7 +189,7 @@ async def _reusable(client: Client, base: str, messages: list[dict[str, Any]]) -
     shared = len(now)
     for other in OTHER_MESSAGES:
         alt = [*messages[:-1], {"role": "user", "content": other}]
-        shared = min(shared, common_prefix(now, await client.prompt_tokens(base, alt)))
+        shared = min(shared, shared_prefix(now, await client.prompt_tokens(base, alt)))
     return shared
 
 
