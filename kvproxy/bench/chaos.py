@@ -70,7 +70,7 @@ class ChaosOptions:
     n_facts: int = 10  # ~250-token system prompts
     max_tokens: int = 8
     max_turns: int = 6
-    stuck_after: float = 60.0  # a request with no answer this long is stuck
+    stuck_after: float = 120.0  # a request with no answer this long is stuck
     proxy_args: tuple[str, ...] = ("--min-tokens", "64")
 
 
@@ -493,6 +493,11 @@ class Chaos:
                 Kind.CHAT, convo.wire, path, body, None, url=self.rig.server_url
             )
             record.direct = sent.text if sent.outcome is Outcome.OK else None
+            if record.direct is not None and record.proxied is not None and not record.same:
+                self.result.details.append(
+                    f"conversation {record.conversation} ({record.wire}, {record.cache_state}): "
+                    f"kvproxy {record.proxied!r}, the server alone {record.direct!r}"
+                )
 
 
 async def run_chaos(env: BenchEnv, opts: ChaosOptions) -> ChaosResult:
