@@ -45,9 +45,11 @@ async def test_chaos_with_ten_faults_keeps_every_promise(
     # What is on disk survived the kills: committed entries, all valid, nothing half-written.
     assert result.audit.committed > 0 and result.audit.valid == result.audit.committed
     assert not [n for n in result.audit.orphaned if ".tmp" in n]
-    # The end: most conversations came back from disk and answered as the server alone did.
+    # The end: most conversations came back from disk and answered as the server alone did
+    # (or parted from it only where the server's own top two tokens were tied).
     restored = [f for f in result.final if f.cache_state == "restored"]
     assert len(restored) >= len(result.final) // 2 > 0
-    assert all(f.same for f in result.final)
+    assert all(f.same or f.tie is not None for f in result.final)
+    assert sum(f.same for f in result.final) >= len(result.final) - 2
     # kvproxy's table says so too.
     assert "**Every promise held.**" in chaos.markdown(result)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from kvproxy.bench.chaos_audit import audit
 from kvproxy.bench.chaos_plan import (
     Fault,
@@ -17,6 +19,7 @@ from kvproxy.bench.chaos_plan import (
     cross_tenant,
     fault_due,
     fault_plan,
+    parts_at_a_tie,
 )
 from kvproxy.bench.chaos_wire import Stream, answer_of, route_body
 from kvproxy.store.entry import Entry
@@ -51,6 +54,18 @@ def test_a_probe_reads_across_tenants_when_it_reuses_more_than_everyone_shares()
     assert cross_tenant("miss", 13, allowed=12)
     assert cross_tenant("restored", 0, allowed=12)
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def test_answers_that_part_at_the_servers_own_tie_are_told_apart() -> None:
+    # The server alone answered "abX", kvproxy "abY": at "X" its top two were 0.001 apart.
+    tokens = [(b"a", -1.0, -3.0), (b"b", -1.0, -2.0), (b"X", -4.5, -4.501)]
+    assert parts_at_a_tie(tokens, "abY", "abX") == pytest.approx(0.001)
+    # Clearly decided where they part: a real difference, whatever ties come after it.
+    tokens = [(b"a", -1.0, -3.0), (b"X", -1.0, -2.0), (b"c", -4.5, -4.501)]
+    assert parts_at_a_tie(tokens, "aYc", "aXc") is None
+    # A tie both resolved alike, long before they part, is not the reason.
+    tokens = [(b"a", -4.5, -4.501), *[(b"b", -1.0, -3.0)] * 4, (b"X", -1.0, -2.0)]
+    assert parts_at_a_tie(tokens, "abbbbY", "abbbbX") is None
 
 
 def test_the_verdict_fails_on_any_broken_promise_and_on_checks_that_never_ran() -> None:

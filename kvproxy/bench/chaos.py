@@ -45,6 +45,7 @@ from .chaos_plan import (
     cross_tenant,
     fault_due,
     fault_plan,
+    parts_at_a_tie,
     side_request,
     turn_kind,
     wire_of,
@@ -118,6 +119,8 @@ class FinalRecord:
     restored_tokens: int
     proxied: str | None
     direct: str | None
+    # Where the answers part, the margin of the server's own top two if within TIE_NATS.
+    tie: float | None = None
 
     @property
     def same(self) -> bool:
@@ -142,7 +145,7 @@ class ChaosResult:
             kvproxy_500s=self.tally.total(Outcome.KVPROXY_500),
             stuck=self.tally.total(Outcome.STUCK),
             invalid_entries=len(self.audit.invalid),
-            answers_differing=sum(not f.same for f in compared),
+            answers_differing=sum(not f.same and f.tie is None for f in compared),
             cross_tenant_reads=sum(p.crossed for p in self.probes),
             faults_injected=len(self.faults),
             faults_wanted=int(self.options["faults"]),
@@ -494,10 +497,31 @@ class Chaos:
             )
             record.direct = sent.text if sent.outcome is Outcome.OK else None
             if record.direct is not None and record.proxied is not None and not record.same:
+                record.tie = await self._tie(convo, record.proxied, record.direct)
                 self.result.details.append(
                     f"conversation {record.conversation} ({record.wire}, {record.cache_state}): "
                     f"kvproxy {record.proxied!r}, the server alone {record.direct!r}"
+                    + ("" if record.tie is None else f" (its top two {record.tie:.4f} nats apart)")
                 )
+
+    async def _tie(self, convo: Convo, proxied: str, direct: str) -> float | None:
+        """The server alone's top two where the answers part, from an empty slot again."""
+        assert self.session is not None
+        for slot in range(self.opts.slots):
+            async with self.session.post(f"{self.rig.server_url}/slots/{slot}?action=erase"):
+                pass
+        path, body = route_body(Wire.CHAT, convo.next_messages(), self.opts.max_tokens)
+        body |= {"logprobs": True, "top_logprobs": 2}
+        async with self.session.post(self.rig.server_url + path, json=body) as resp:
+            reply = await resp.json()
+        tokens = []
+        try:
+            for t in reply["choices"][0]["logprobs"]["content"]:
+                tops = [float(x["logprob"]) for x in t["top_logprobs"]]
+                tokens.append((bytes(t["bytes"]), tops[0], tops[1] if len(tops) > 1 else None))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+        return parts_at_a_tie(tokens, proxied, direct)
 
 
 async def run_chaos(env: BenchEnv, opts: ChaosOptions) -> ChaosResult:
@@ -527,7 +551,8 @@ def checks(result: ChaosResult) -> list[Check]:
         ),
         Check(
             "chaos: restored conversations answer as the server alone",
-            f"{v.answers_differing} of {len(compared)} differ ({v.restored_checked} restored)",
+            f"{v.answers_differing} of {len(compared)} differ ({v.restored_checked} restored, "
+            f"{sum(f.tie is not None for f in compared)} parted at the server's own tie)",
             v.answers_differing == 0 and v.restored_checked > 0,
         ),
         Check(
@@ -578,13 +603,20 @@ def markdown(result: ChaosResult) -> str:
     restored = [f for f in compared if f.cache_state == "restored"]
     parts.append(
         table(
-            ["after a restart of both", "conversations", "restored", "same answer as the server"],
+            [
+                "after a restart of both",
+                "conversations",
+                "restored",
+                "same answer as the server alone",
+                "parted at the server's own tie",
+            ],
             [
                 [
                     "next turn",
                     len(result.final),
                     len(restored),
                     f"{sum(f.same for f in compared)} of {len(compared)}",
+                    sum(not f.same and f.tie is not None for f in compared),
                 ]
             ],
         )
@@ -612,8 +644,8 @@ def markdown(result: ChaosResult) -> str:
     )
     violations = v.violations()
     parts.append(
-        "**Every promise held.**"
-        if not violations
-        else "**Broken:** " + "; ".join(violations) + "\n\n" + "\n".join(result.details[:20])
+        "**Every promise held.**" if not violations else "**Broken:** " + "; ".join(violations)
     )
+    if result.details:
+        parts.append("\n".join(f"- {d}" for d in result.details[:20]))
     return "\n\n".join(parts)

@@ -9,6 +9,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class Wire(StrEnum):
@@ -141,7 +142,36 @@ def cross_tenant(cache_state: str, cache_n: int, allowed: int) -> bool:
     return cache_state in ("resident", "restored") or cache_n > allowed
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+# Nats between the server's own top two tokens within which it may pick either: llama-server
+# alone computes the same prompt's logits up to ~0.005 apart depending on whether its tokens
+# were decoded one by one (a resident turn) or prefilled in a batch (a fresh slot). Measured
+# on the tiny random-weight model, whose logits are nearly flat.
+TIE_NATS = 0.02
+
+
+def parts_at_a_tie(
+    tokens: list[tuple[bytes, float, float | None]], ours: str, theirs: str
+) -> float | None:
+    """Where `ours` parts from the server alone's answer `theirs` (its `tokens`: bytes, top
+    logprob, runner-up logprob), the margin between its top two if they were within
+    TIE_NATS there: the answers differ by a coin the server itself tosses. None otherwise."""
+    parted = common_prefix(list(ours), list(theirs))
+    done = b""
+    for piece, best, runner_up in tokens:
+        before = len(done.decode("utf-8", "replace"))
+        done += piece
+        after = len(done.decode("utf-8", "replace"))
+        # The token whose text holds the first character that differs (a character split over
+        # byte tokens decodes to one replacement character until it is whole: `<=`).
+        holds = before <= parted <= after
+        if holds and runner_up is not None and best - runner_up <= TIE_NATS:
+            return best - runner_up
+        if before > parted:
+            break
+    return None
+
+
+def common_prefix(a: list[Any], b: list[Any]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -176,7 +206,7 @@ class Verdict:
     kvproxy_500s: int
     stuck: int
     invalid_entries: int
-    answers_differing: int
+    answers_differing: int  # beyond a tie of the server's own top two (see parts_at_a_tie)
     cross_tenant_reads: int
     faults_injected: int
     faults_wanted: int
