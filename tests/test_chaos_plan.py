@@ -15,7 +15,6 @@ from kvproxy.bench.chaos_plan import (
     Verdict,
     Wire,
     classify,
-    common_prefix,
     cross_tenant,
     fault_due,
     fault_plan,
@@ -53,7 +52,6 @@ def test_a_probe_reads_across_tenants_when_it_reuses_more_than_everyone_shares()
     assert not cross_tenant("miss", 12, allowed=12)
     assert cross_tenant("miss", 13, allowed=12)
     assert cross_tenant("restored", 0, allowed=12)
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
 
 
 def test_answers_that_part_at_the_servers_own_tie_are_told_apart() -> None:

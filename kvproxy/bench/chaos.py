@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from ..keys import shared_prefix
 from ..managed import ManagedServer, free_port, server_command
 from .arms import BenchEnv, ProxyArm
 from .chaos_audit import Audit, audit
@@ -41,7 +42,6 @@ from .chaos_plan import (
     Tally,
     Verdict,
     Wire,
-    common_prefix,
     cross_tenant,
     fault_due,
     fault_plan,
@@ -451,7 +451,7 @@ class Chaos:
         tokens = await self._tokens(messages)
         if tokens is None:
             return None
-        return max(common_prefix(tokens, t) for c, t in self.first_tokens.items() if c != convo.id)
+        return max(shared_prefix(tokens, t) for c, t in self.first_tokens.items() if c != convo.id)
 
     # --- the end
 

@@ -9,7 +9,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+
+from ..keys import shared_prefix
 
 
 class Wire(StrEnum):
@@ -155,7 +156,7 @@ def parts_at_a_tie(
     """Where `ours` parts from the server alone's answer `theirs` (its `tokens`: bytes, top
     logprob, runner-up logprob), the margin between its top two if they were within
     TIE_NATS there: the answers differ by a coin the server itself tosses. None otherwise."""
-    parted = common_prefix(list(ours), list(theirs))
+    parted = shared_prefix(ours, theirs)
     done = b""
     for piece, best, runner_up in tokens:
         before = len(done.decode("utf-8", "replace"))
@@ -169,15 +170,6 @@ def parts_at_a_tie(
         if before > parted:
             break
     return None
-
-
-def common_prefix(a: list[Any], b: list[Any]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
