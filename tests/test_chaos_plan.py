@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from kvproxy.bench import chaos
 from kvproxy.bench.chaos_audit import audit
 from kvproxy.bench.chaos_plan import (
     Fault,
+    Kind,
     Outcome,
     Verdict,
     Wire,
@@ -144,3 +146,35 @@ def test_answers_are_read_from_every_api() -> None:
     messages.feed(Wire.MESSAGES, b'data: {"type":"content_block_delta","delta":{"text":"hi"}}')
     messages.feed(Wire.MESSAGES, b'data: {"type":"message_stop"}')
     assert (messages.text, messages.done) == ("hi", True)
+
+
+def _result(*broken: Outcome) -> chaos.ChaosResult:
+    """A run's result as chaos.py builds it: 10 faults, a restored conversation answering as
+    the server alone, a probe that read nothing; `broken` adds requests that ended so."""
+    result = chaos.ChaosResult(options={"faults": 10})
+    result.faults = [chaos.FaultRecord(Fault.KILL_PROXY.value, 1.0, 1.0, 2)] * 10
+    result.final = [chaos.FinalRecord(1000, "chat", "restored", 300, "same", "same")]
+    result.probes = [chaos.ProbeRecord(1000, "miss", 12, 20, False)]
+    result.tally.add(Kind.CHAT, Outcome.OK)
+    for outcome in broken:
+        result.tally.add(Kind.CHAT, outcome)
+    return result
+
+
+@pytest.mark.parametrize(("broken", "code"), [((), 0), ((Outcome.KVPROXY_500,), 1)])
+def test_the_command_fails_when_a_promise_breaks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, broken: tuple[Outcome, ...], code: int
+) -> None:
+    from kvproxy import cli
+    from kvproxy.bench import command
+
+    async def run_chaos(env: object, opts: chaos.ChaosOptions) -> chaos.ChaosResult:
+        assert (opts.seed, opts.faults) == (7, 10)
+        return _result(*broken)
+
+    monkeypatch.setattr(command.BenchEnv, "create", staticmethod(lambda *a: object()))
+    monkeypatch.setattr(command, "header", lambda env, argv: {})
+    monkeypatch.setattr(command, "header_lines", lambda head: [])
+    monkeypatch.setattr(chaos, "run_chaos", run_chaos)
+    argv = ["bench", "chaos", "--seed", "7", "--faults", "10", "--workdir", str(tmp_path)]
+    assert cli.main(argv) == code
