@@ -164,9 +164,11 @@ class SlotPool:
             slot.forget()
 
     def seen_empty(self, infos: Sequence[SlotInfo]) -> None:
-        """Idle slots GET /slots shows holding no tokens belong to no tenant."""
+        """Idle slots GET /slots shows holding no tokens belong to no tenant. Only an explicit
+        0 says so: the server leaves `n_prompt_tokens` out until a task has run on the slot
+        (server-context.cpp `to_json`), and a restore before any task fills it unseen."""
         for info in infos:
-            if 0 <= info.id < len(self.slots) and not info.n_prompt_tokens:
+            if 0 <= info.id < len(self.slots) and info.n_prompt_tokens == 0:
                 slot = self.slots[info.id]
                 if not slot.busy and not info.is_processing:
                     slot.occupant = NOBODY

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from kvproxy.testing.fakeserver import render_chat
+from kvproxy.testing.fakeserver import FakeLlamaServer, render_chat
 
 from .conftest import Maker, start_proxy
 from .test_cache import chat, conv, settle
@@ -73,3 +73,33 @@ async def test_requests_on_every_slot_never_reuse_another_tenants(make: Maker) -
     status, body, h = await chat(proxy, conv(1), headers=BOB, n=2)
     assert status == 200 and h["X-KVProxy-Cache"] == "bypass"
     assert body["timings"]["cache_n"] == 0
+
+
+async def test_a_state_restored_into_a_slot_no_task_ran_on_is_not_taken_for_empty(
+    make: Maker,
+) -> None:
+    """The server shows no token count until a task runs on a slot: a state a killed proxy
+    restored there is invisible, so a new proxy erases such a slot before its first use."""
+    fake, proxy = await make()
+    await chat(proxy, conv(1), headers=ALICE)
+    await chat(proxy, conv(2), headers=ALICE)
+    await chat(proxy, conv(3), headers=ALICE)  # conversation 1 goes to disk
+    await settle(proxy)
+    await proxy.stop()
+    name = next(p.name for p in fake.slot_save_path.glob("*.kv"))
+    await fake.stop()
+    again_fake = FakeLlamaServer(slot_save_path=fake.slot_save_path)  # a fresh server
+    await again_fake.start()
+    try:
+        async with aiohttp.ClientSession() as s:  # what the killed proxy had just done
+            url = f"{again_fake.url}/slots/0?action=restore"
+            async with s.post(url, json={"filename": name}) as r:
+                assert r.status == 200
+        again = await start_proxy(again_fake.url, again_fake.slot_save_path)
+        try:
+            status, body, h = await chat(again, conv(1), headers=BOB)
+            assert status == 200 and body["timings"]["cache_n"] == 0
+        finally:
+            await again.stop()
+    finally:
+        await again_fake.stop()

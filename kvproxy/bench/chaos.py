@@ -36,6 +36,7 @@ from ..managed import ManagedServer, free_port, server_command
 from .arms import BenchEnv, ProxyArm
 from .chaos_audit import Audit, audit
 from .chaos_plan import (
+    BROKEN,
     Fault,
     Kind,
     Outcome,
@@ -295,9 +296,14 @@ class Chaos:
                 await self.rig.start()
                 await self._first_tokens()
                 workers = [asyncio.create_task(self._worker(w)) for w in range(self.opts.clients)]
-                await self._inject_faults()
-                self.faults_done = True
-                await asyncio.gather(*workers)
+                try:
+                    await self._inject_faults()
+                    self.faults_done = True
+                    await asyncio.gather(*workers)
+                finally:
+                    for w in workers:
+                        w.cancel()
+                    await asyncio.gather(*workers, return_exceptions=True)
                 progress(f"chaos: workload done, {self.ended} requests; final turns")
                 self.result.proxy_stats = await self.rig.proxy.stats()
                 await self._final_turns()
@@ -346,12 +352,13 @@ class Chaos:
             if sent is None:
                 await asyncio.sleep(0.05)  # every conversation is busy or done
                 continue
-            if sent[1].outcome is Outcome.STUCK or sent[1].outcome is Outcome.KVPROXY_500:
-                self.result.details.append(f"{sent[0]}: {sent[1].outcome}: {sent[1].detail}")
-            self.result.tally.add(*(sent[0], sent[1].outcome))
+            kind, reply = sent
+            if reply.outcome in BROKEN:
+                self.result.details.append(f"{kind}: {reply.outcome}: {reply.detail}")
+            self.result.tally.add(kind, reply.outcome)
             self.ended += 1
             self.progressed.set()
-            if sent[1].outcome not in (Outcome.OK, Outcome.HUNG_UP):
+            if reply.outcome not in (Outcome.OK, Outcome.HUNG_UP):
                 await self.rig.all_up.wait()  # a fault: go on once it is over
 
     async def _request(
