@@ -55,6 +55,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--turns", type=int)
     p.add_argument("--arms", help="comma-separated arms")
 
+    p = scenarios.add_parser("chaos", help="mixed load, SIGKILLs of kvproxy and the server, audit")
+    _common(p)
+    p.add_argument("--seed", type=int, help="seeds every random choice")
+    p.add_argument("--requests", type=int, help="at least this many requests")
+    p.add_argument("--faults", type=int, help="SIGKILLs, of kvproxy and the server in turn")
+    p.add_argument("--duration", type=float, help="hard bound on the workload, seconds")
+    p.add_argument("--clients", type=int)
+    p.add_argument("--tenants", type=int, help="API keys")
+    p.add_argument("--conversations", type=int)
+
     p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="restore: largest size")

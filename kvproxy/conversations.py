@@ -145,7 +145,13 @@ class Conversations:
         times = (started, time.perf_counter() - started)  # (start, queue wait)
         lease = Lease(self.pool, [slot], self.background)
         try:
-            prepared = await lease.guarded(self._prepare_or_miss(slot, conv))
+            try:
+                prepared = await lease.guarded(self._prepare_or_miss(slot, conv))
+            except UpstreamError as exc:
+                # The slot may hold another tenant's tokens and could not be erased.
+                return error_response(
+                    502, f"llama-server is unreachable: {exc}", "upstream_unreachable"
+                )
             capture = adapter.capture(conv)
             try:
                 result = await relay(
@@ -226,9 +232,11 @@ class Conversations:
         try:
             return await self.prepare(slot, conv)
         except UpstreamError as exc:
-            # The cache could not do its part; the request still goes through, uncached.
+            # The cache could not do its part; the request still goes through, uncached, once
+            # the slot holds nothing of another tenant's (else the UpstreamError is the answer).
             log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
             slot.forget()
+            await self.work.admit(slot, conv.tenant)
             return MISS
 
     async def prepare(self, slot: Slot, conv: Conversation) -> Prepared:
@@ -250,6 +258,7 @@ class Conversations:
             if self.work.worth_saving(slot, conv.keys):
                 await self.work.save(slot)
             await self.openings.before_reassign(slot, conv)
+            await self.work.admit(slot, conv.tenant)
             outcome = await self.work.restore(slot, entry)
             if outcome is None:
                 return MISS
@@ -282,6 +291,7 @@ class Conversations:
         if slot.holding is not None and self.openings.wanted(slot.holding):
             await self.work.verify(slot)
             await self.openings.before_reassign(slot, conv)
+        await self.work.admit(slot, conv.tenant)
         await self.openings.prefill(slot, conv)
         return MISS
 

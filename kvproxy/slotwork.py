@@ -20,7 +20,7 @@ from .habits import Habits
 from .leases import Background
 from .llama import Restored
 from .policy import RestoreGuard, worth_saving
-from .slots import Holding, Slot
+from .slots import NOBODY, Holding, Slot
 from .store import Entry, Store
 from .upstream import UpstreamError
 
@@ -259,6 +259,19 @@ class SlotWork:
             return RestoreOutcome(n, seconds * 1000)
         finally:
             self.store.unpin(entry.key)
+
+    async def admit(self, slot: Slot, tenant: str | None) -> None:
+        """Before `tenant`'s request runs on the slot (whatever was worth keeping is saved by
+        now): if it may hold another tenant's tokens, erase it. The server reuses any common
+        prefix of what a slot holds, and `timings.cache_n` would tell the newcomer that the
+        other tenant sent the same text. Raises UpstreamError when the erase fails: the
+        request must not go."""
+        if slot.occupant in (tenant, NOBODY):
+            slot.occupant = tenant
+            return
+        await self.client.erase(slot.id)
+        slot.forget()
+        slot.occupant = tenant
 
     # --- the budget
 

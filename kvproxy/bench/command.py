@@ -104,6 +104,14 @@ async def _run(args: argparse.Namespace) -> int:
                 res = await overhead.run_overhead(env, oopts)
                 text = overhead.markdown(res)
                 checks += targets.overhead_checks(res)
+            elif name == "chaos":
+                from . import chaos
+
+                flags = ("seed", "requests", "faults", "duration", "clients", "tenants")
+                copts = chaos.ChaosOptions(**_given(args, *flags, "conversations"))
+                res = await chaos.run_chaos(env, copts)
+                text = chaos.markdown(res)
+                checks += chaos.checks(res)
             else:
                 lopts = load.LoadOptions()
                 if args.scenario == "load":
@@ -128,7 +136,8 @@ async def _run(args: argparse.Namespace) -> int:
             await asyncio.to_thread(shutil.rmtree, workdir, True)
         else:
             progress(f"work dir kept: {workdir}")
-    return 0
+    # chaos proves promises: any broken one is a failed command.
+    return 1 if args.scenario == "chaos" and any(c.met is False for c in checks) else 0
 
 
 def write_outputs(out: Path, head: dict[str, Any], results: dict[str, Any]) -> None:
