@@ -246,6 +246,23 @@ async def _ideal(client: Client, url: str, record: Record, history: list[list[in
 
 # --- the tables
 
+METHOD = """## agents: the real clients, turn by turn
+
+`kvproxy bench agents` drives the clients that are installed (`--install` installs the pinned
+npm releases; the OpenAI SDK loop always runs) through kvproxy and through llama-server alone
+(default flags: its RAM prompt cache on). Each client runs one plan: a session's turn 1; turn 2
+after two other conversations took both slots; turn 3 after a restart of every process (for
+kvproxy: kvproxy and its llama-server; only the disk survives); a new session after another
+eviction; a new session after another restart. Replies are capped (`-n 64` on the server, the
+client's own cap where it has one). A recording pass-through in front of each arm reads every
+request's body and the server's own `cache_n`/`prompt_n` from its reply, and kvproxy's
+`X-KVProxy-Cache`. **ideal** = the longest common token prefix of the request's prompt with any
+earlier request's prompt, or prompt + reply + the end-of-turn markup every next message shares
+(rendered by the server's `/apply-template`, counted by its `/tokenize`); for a new session that
+is what it shares with the earlier ones (the system prompt and tools). What a client rewrites
+itself is beyond any cache: it lowers the ideal, not the % of ideal.
+"""
+
 
 def pct_of_ideal(cached: int, ideal: int | None) -> float | None:
     return cached / ideal if ideal else None
