@@ -9,11 +9,12 @@ kvproxy's decision (`X-KVProxy-Cache`).
 
 Ideal: what a perfect cache holding every earlier state of this client could reuse. For a
 request, the longest common token prefix of its rendered prompt with any earlier request's
-rendered prompt plus its reply (and the end-of-turn markup any next message brings), or with
-an earlier prompt alone: the conversation's previous turn; for a new session, the opening it
-shares with the earlier ones. Rendered by the server's `/apply-template` from
-the chat form the server makes of the body, tokenised by its `/tokenize`. "% of ideal" =
-cache_n / ideal. What a client rewrites itself is below the ideal: that is the client's cost.
+rendered prompt plus its reply, or with an earlier prompt alone: the conversation's previous
+turn; for a new session, the opening it shares with the earlier ones. kvproxy can exceed it
+(above 100%) where its canonical prefix also holds the end-of-turn markup after the reply.
+Rendered by the server's `/apply-template` from the chat form the server makes of the body,
+tokenised by its `/tokenize`. "% of ideal" = cache_n / ideal. What a client rewrites itself
+is below the ideal: that is the client's cost.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from .exchanges import Record, read
 from .report import pct, progress, table
 from .tap import Tap
 from .targets import Check
-from .workload import OTHER_MESSAGES
 
 
 class Action(enum.Enum):
@@ -225,9 +225,8 @@ async def _take_every_slot(client: Client, url: str, opts: AgentsOptions, round_
 
 async def _ideal(client: Client, url: str, record: Record, history: list[list[int]]) -> int | None:
     """The longest common token prefix of this request's prompt with anything an earlier
-    request left: its prompt, or its prompt + reply + the markup every next message starts
-    with (the shorter of two different next messages, as the workload's ideal). Then this
-    request joins the history."""
+    request left: its prompt, or its prompt + reply (the template's rendering of the
+    conversation ending in the reply). Then this request joins the history."""
     if not record.prompt:
         return None
     fields = {k: v for k, v in record.prompt.items() if k != "messages"}
@@ -236,11 +235,8 @@ async def _ideal(client: Client, url: str, record: Record, history: list[list[in
     ideal = max((shared_prefix(now, earlier) for earlier in history), default=None)
     history.append(now)
     if record.reply:
-        after = []
-        for other in OTHER_MESSAGES:
-            nxt = [*messages, record.reply, {"role": "user", "content": other}]
-            after.append(await client.prompt_tokens(url, nxt, True, **fields))
-        history.append(after[0][: shared_prefix(after[0], after[1])])
+        full = [*messages, record.reply]
+        history.append(await client.prompt_tokens(url, full, False, **fields))
     return ideal
 
 
@@ -257,10 +253,11 @@ eviction; a new session after another restart. Replies are capped (`-n 64` on th
 client's own cap where it has one). A recording pass-through in front of each arm reads every
 request's body and the server's own `cache_n`/`prompt_n` from its reply, and kvproxy's
 `X-KVProxy-Cache`. **ideal** = the longest common token prefix of the request's prompt with any
-earlier request's prompt, or prompt + reply + the end-of-turn markup every next message shares
-(rendered by the server's `/apply-template`, counted by its `/tokenize`); for a new session that
-is what it shares with the earlier ones (the system prompt and tools). What a client rewrites
-itself is beyond any cache: it lowers the ideal, not the % of ideal.
+earlier request's prompt, or prompt + reply (rendered by the server's `/apply-template`,
+counted by its `/tokenize`); for a new session that is what it shares with the earlier ones
+(the system prompt and tools). What a client rewrites itself is beyond any cache: it lowers
+the ideal, not the % of ideal. kvproxy may exceed 100% where its canonical prefix also holds
+the end-of-turn markup after the reply.
 """
 
 
