@@ -19,14 +19,21 @@ from typing import Any, Protocol
 from . import agentclients
 from .conversations import system_prompt
 
-SDK, CODEX, CLAUDE_CODE, OPENCLAW = "sdk", "codex", "claude", "openclaw"
-CLIENTS = (SDK, CODEX, CLAUDE_CODE, OPENCLAW)
-PACKAGES = {
+SDK, CODEX, CLAUDE_CODE, OPENCLAW, AIDER = "sdk", "codex", "claude", "openclaw", "aider"
+CLIENTS = (SDK, CODEX, CLAUDE_CODE, OPENCLAW, AIDER)
+PACKAGES: dict[str, agentclients.NpmPackage | agentclients.PypiPackage] = {
     CODEX: agentclients.CODEX,
     CLAUDE_CODE: agentclients.CLAUDE_CODE,
     OPENCLAW: agentclients.OPENCLAW,
+    AIDER: agentclients.AIDER,
 }
-LABELS = {SDK: "OpenAI SDK", CODEX: "Codex", CLAUDE_CODE: "Claude Code", OPENCLAW: "OpenClaw"}
+LABELS = {
+    SDK: "OpenAI SDK",
+    CODEX: "Codex",
+    CLAUDE_CODE: "Claude Code",
+    OPENCLAW: "OpenClaw",
+    AIDER: "aider",
+}
 # A turn of a real agent may prefill a 10k-token prompt on a slow CPU, more than once.
 TURN_TIMEOUT = 1800.0
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
@@ -210,6 +217,38 @@ class OpenClawDriver:
         return None
 
 
+@dataclass
+class AiderDriver:
+    """`aider --message …` in a directory of its own (no git), one process per turn; later
+    turns of a session with `--restore-chat-history` (aider's way to carry a session across
+    processes, which rewrites the prompt: measured, that is aider's cost). Flags checked
+    against `aider --help` of the pinned release."""
+
+    settings: Settings
+    exe: Path
+    name: str = AIDER
+
+    async def prepare(self) -> str | None:
+        await asyncio.to_thread(self.settings.home.mkdir, 0o700, True, True)
+        return None
+
+    async def turn(self, session: int, first: bool, message: str) -> str | None:
+        home = self.settings.home
+        args = [
+            *("--model", "openai/any", "--openai-api-base", self.settings.base + "/v1"),
+            *("--openai-api-key", "kvproxy-bench", "--no-git", "--yes-always"),
+            *("--no-show-model-warnings", "--analytics-disable", "--no-check-update"),
+            *("--restore-chat-history" if not first else "--no-restore-chat-history",),
+            *("--message", message),
+        ]
+        env = agentclients.client_env(home)
+        code, out = await run([str(self.exe), *args], env, home)
+        return None if code == 0 else _failed(code, out)
+
+    async def close(self) -> None:
+        return None
+
+
 def make_driver(name: str, settings: Settings, exe: Path | None) -> Driver:
     if name == SDK:
         return SdkDriver(settings)
@@ -218,4 +257,6 @@ def make_driver(name: str, settings: Settings, exe: Path | None) -> Driver:
         return CodexDriver(settings, exe)
     if name == CLAUDE_CODE:
         return ClaudeCodeDriver(settings, exe)
+    if name == AIDER:
+        return AiderDriver(settings, exe)
     return OpenClawDriver(settings, exe)
