@@ -214,11 +214,13 @@ async def _run_plan(
 
 
 async def _take_every_slot(client: Client, url: str, opts: AgentsOptions, round_: int) -> None:
-    """As many other conversations as there are slots: whatever a slot held goes to disk
-    (kvproxy) or is overwritten (the server alone)."""
-    for k in range(opts.slots):
-        messages = first_turn(100 + 10 * round_ + k, opts.evict_facts)
-        reply = await client.chat(url, messages, 4)
+    """As many other conversations as there are slots, all at once, so each holds a slot of
+    its own: whatever a slot held goes to disk (kvproxy) or is overwritten (the server
+    alone). One after another would not do: kvproxy gives the second the first one's slot
+    when that is the better one to lose."""
+    bodies = [first_turn(100 + 10 * round_ + k, opts.evict_facts) for k in range(opts.slots)]
+    replies = await asyncio.gather(*(client.chat(url, messages, 4) for messages in bodies))
+    for reply in replies:
         if reply.error:
             raise RuntimeError(f"an evicting conversation failed: {reply.error}")
 
