@@ -267,19 +267,32 @@ def pct_of_ideal(cached: int, ideal: int | None) -> float | None:
     return cached / ideal if ideal else None
 
 
+# kvproxy's decisions that bring nothing from its cache.
+UNCACHED = frozenset({"miss", "bypass"})
+
+
+def credited(r: Row) -> int:
+    """What the cache served. On kvproxy's `miss` the server's cache_n may be high all the
+    same: before forwarding a miss whose system prompt is long, kvproxy evaluates the shared
+    opening on the slot itself (to save it as an opening entry), and the server then counts
+    those tokens as reused; they were prefilled within this request's time. Counted as 0."""
+    return 0 if r.decision in UNCACHED else r.cache_n
+
+
 @dataclass
 class TurnTotal:
     """One client's turn in one arm, its requests summed."""
 
     requests: int = 0
     cache_n: int = 0
+    credited: int = 0  # what the cache served (see `credited`)
     prompt_n: int = 0
     ideal: int = 0
     decision: str = ""  # of the first request
 
     @property
     def of_ideal(self) -> float | None:
-        return pct_of_ideal(self.cache_n, self.ideal)
+        return pct_of_ideal(self.credited, self.ideal)
 
 
 def turn_totals(result: AgentsResult) -> dict[tuple[str, str, str], TurnTotal]:
@@ -290,6 +303,7 @@ def turn_totals(result: AgentsResult) -> dict[tuple[str, str, str], TurnTotal]:
             t.decision = r.decision
         t.requests += 1
         t.cache_n += r.cache_n
+        t.credited += credited(r)
         t.prompt_n += r.prompt_n
         t.ideal += r.ideal or 0
     return out
@@ -302,7 +316,7 @@ def _ratio(r: Row | None) -> str | None:
 def _of_ideal(r: Row | None) -> str | None:
     if r is None:
         return None
-    value = pct_of_ideal(r.cache_n, r.ideal)
+    value = pct_of_ideal(credited(r), r.ideal)
     return None if value is None else f"{100 * value:.1f}%"
 
 
@@ -350,7 +364,14 @@ def markdown(result: AgentsResult) -> str:
         "% of ideal",
     ]
     text = table(cols, rows)
-    notes = [f"- {LABELS[c]}: {why}" for c, why in result.skipped.items()]
+    notes = []
+    if any(r.decision in UNCACHED and r.cache_n for r in result.rows):
+        notes.append(
+            "- `miss` rows: the server's cache_n counts the shared opening kvproxy evaluated on "
+            "the slot just before (to save it); prefilled within the request, so % of ideal "
+            "counts 0."
+        )
+    notes += [f"- {LABELS[c]}: {why}" for c, why in result.skipped.items()]
     notes += [f"- {f}" for f in result.failures]
     notes += [
         f"- {LABELS[r.client]} ({r.arm}) turn {r.turn}.{r.request}: {r.error}"
@@ -391,7 +412,7 @@ def checks(result: AgentsResult) -> list[Check]:
             measured = (
                 "not measured"
                 if t is None or value is None
-                else f"{100 * value:.1f}% ({t.cache_n:,} of {t.ideal:,}; {t.decision})"
+                else f"{100 * value:.1f}% ({t.credited:,} of {t.ideal:,}; {t.decision})"
             )
             out.append(
                 Check(
