@@ -65,6 +65,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--tenants", type=int, help="API keys")
     p.add_argument("--conversations", type=int)
 
+    p = scenarios.add_parser("agents", help="the real agents' turns: kvproxy vs the server alone")
+    _common(p)
+    p.add_argument("--clients", help="comma-separated: sdk,codex,claude,openclaw (installed)")
+    p.add_argument("--install", action="store_true", help="install the missing agents first")
+    p.add_argument("--max-output", type=int, help="reply cap, tokens")
+    p.add_argument("--ctx-size", type=int, dest="ctx_per_slot", help="context per slot")
+    p.add_argument("--arms", help="comma-separated arms")
+
     p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="restore: largest size")

@@ -1,5 +1,5 @@
-"""`kvproxy bench SCENARIO`: workload, restore, overhead, load, or all of them. The flags are
-defined in kvproxy/cli_bench.py (parsing them imports nothing from here); `run` gets them.
+"""`kvproxy bench SCENARIO`: workload, restore, overhead, load, agents (not in `all`). The flags
+are defined in kvproxy/cli_bench.py (parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import load, overhead, restore, targets, workload
+from . import agents, load, overhead, restore, targets, workload
 from .arms import ALL_ARMS, BenchEnv
 from .report import header, header_lines, progress, write_json
 
@@ -112,6 +112,14 @@ async def _run(args: argparse.Namespace) -> int:
                 res = await chaos.run_chaos(env, copts)
                 text = chaos.markdown(res)
                 checks += chaos.checks(res)
+            elif name == "agents":
+                aopts = agents.options(_given(args, "max_output", "ctx_per_slot"), args.clients)
+                aopts.install = args.install
+                if args.arms is not None:
+                    aopts.arms = _arms(args.arms)
+                res = await agents.run_agents(env, aopts)
+                text = agents.markdown(res)
+                checks += agents.checks(res)
             else:
                 lopts = load.LoadOptions()
                 if args.scenario == "load":
