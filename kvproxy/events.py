@@ -22,6 +22,7 @@ class Count(StrEnum):
     EVICTION = "eviction"  # an entry evicted (TTL or byte budget)
     SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
     WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
+    BACKGROUND_SAVE = "background_save"  # a save no request waited for (warm.py)
 
 
 @dataclass

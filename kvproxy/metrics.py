@@ -158,6 +158,12 @@ class Metrics:
                 "tokens): typically a sliding-window model without --swa-full.",
                 registry=r,
             ),
+            Count.BACKGROUND_SAVE: Counter(
+                "kvproxy_background_saves",
+                "Saves made off every request's path (idle slots saved under slot pressure or "
+                "after --idle-save-after); the rest of kvproxy_slot_actions' saves ran on one.",
+                registry=r,
+            ),
             Count.SLOT_RESET: Counter(
                 "kvproxy_slot_resets",
                 "Times a slot was found changed behind kvproxy's back (server restart, idle "
@@ -240,6 +246,7 @@ class Metrics:
             "requests_by_status": by_status,
             "saves": actions.get(("save", "ok"), 0),
             "save_failures": actions.get(("save", "error"), 0),
+            "background_saves": int(_total(self.counts[Count.BACKGROUND_SAVE])),
             "restores": actions.get(("restore", "ok"), 0),
             "restore_failures": actions.get(("restore", "error"), 0),
             "saved_tokens": tokens.get("save", 0),
