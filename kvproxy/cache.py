@@ -52,7 +52,6 @@ class ConversationCache:
         self.warmer = Warmer(
             self.backend.pool,
             self.work,
-            events,
             self.background,
             settings.live_window,
             settings.idle_save_after,

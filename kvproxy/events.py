@@ -22,7 +22,6 @@ class Count(StrEnum):
     EVICTION = "eviction"  # an entry evicted (TTL or byte budget)
     SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
     WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
-    BACKGROUND_SAVE = "background_save"  # a save no request waited for (warm.py)
 
 
 @dataclass
@@ -68,6 +67,7 @@ class SlotActionEvent:
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    background: bool = False  # a save no request waited for (warm.py)
 
 
 class Listener(Protocol):

@@ -101,8 +101,9 @@ class SlotWork:
 
     # --- saving
 
-    async def save(self, slot: Slot) -> bool:
-        """Save what the slot holds under its key. The slot must be ours and verified."""
+    async def save(self, slot: Slot, background: bool = False) -> bool:
+        """Save what the slot holds under its key. The slot must be ours and verified.
+        `background`: no request waits for it (counted apart)."""
         if slot.holding is not None and not slot.holding.canonical and slot.holding.messages:
             await self._make_canonical(slot)
         holding = slot.holding
@@ -144,7 +145,7 @@ class SlotWork:
         seconds = time.perf_counter() - started
         slot.mark_saved()
         self.events.slot_action(
-            SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds)
+            SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds, background)
         )
         self._disk_error_logged = False
         log.info(

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 
-from .events import Count, Events
 from .leases import Background
 from .pressure import IdleView, LiveConversations, next_background_save
 from .slots import Slot, SlotPool
@@ -28,14 +27,12 @@ class Warmer:
         self,
         pool: SlotPool,
         work: SlotWork,
-        events: Events,
         background: Background,
         live_window: float,
         idle_save_after: float,
     ) -> None:
         self.pool = pool
         self.work = work
-        self.events = events
         self.background = background
         self.live = LiveConversations(live_window)
         self.idle_save_after = idle_save_after
@@ -91,9 +88,7 @@ class Warmer:
         try:
             await self.work.verify(slot)
             if self.work.worth_saving(slot):
-                saved = await self.work.save(slot)
-                if saved:
-                    self.events.count(Count.BACKGROUND_SAVE)
+                saved = await self.work.save(slot, background=True)
         except (UpstreamError, OSError) as exc:
             log.debug("background save of slot %d: %s", slot.id, exc)
         finally:
