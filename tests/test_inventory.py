@@ -24,8 +24,9 @@ NS = keys.namespace("m", {}, None)
 
 
 async def filled(make: Maker) -> tuple[RunningProxy, Path, dict]:
-    """A proxy whose cache dir holds three saved conversations (the proxy still runs)."""
-    _fake, proxy = await make()
+    """A proxy whose cache dir holds three saved conversations (the proxy still runs): the
+    ones evicted (background saves off, so exactly those)."""
+    _fake, proxy = await make(live_window=0)
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3, 4, 5)}
     await settle(proxy)
     assert len(proxy.cache.store.entries) == 3
@@ -156,7 +157,7 @@ def test_rm_by_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 async def test_rm_all_while_the_proxy_runs_gives_misses(
     make: Maker, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake, proxy = await make()
+    fake, proxy = await make(live_window=0)  # background saves off: only the evicted one
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     root = proxy.cache.store.root
@@ -272,7 +273,7 @@ async def test_a_running_proxy_notices_removals(
         await chat(proxy, conv(c))
     await settle(proxy)
     root = proxy.cache.store.root
-    assert proxy.stats()["entries"] == 1
+    assert proxy.stats()["entries"] == 3  # 1 evicted; 2 and 3 saved in the background
     code, _, _ = await asyncio.to_thread(run, capsys, "rm", "--all", "--cache-dir", str(root))
     assert code == 0
     await proxy.cache.notice_removals()  # what housekeeping does every 15 s
