@@ -219,6 +219,8 @@ async def test_stats_reads_a_running_proxy(make: Maker, capsys: pytest.CaptureFi
     assert "requests     resident 0  restored 1  miss 5  bypass 0" in out
     assert f"disk         {len(proxy.cache.store.entries)} entries" in out
     assert "restores     1 ok, 0 failed" in out
+    # Conversations 1-3 made room for 3-5, and 1's return for itself (background saves off).
+    assert "saves        4 ok (0 in the background), 0 failed" in out
     assert out.splitlines()[-2].startswith("  0  idle")
     port = proxy.url.rsplit(":", 1)[1]
     code, out, _ = await asyncio.to_thread(run, capsys, "stats", "--port", port, "--json")
