@@ -115,6 +115,7 @@ class ConversationCache:
 
     async def start(self) -> None:
         await self.store.open_async()
+        self.warmer.recall(self.store.entries.values())
         try:
             await self.backend.discover()
         except UpstreamError as exc:

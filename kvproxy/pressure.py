@@ -17,7 +17,8 @@ The policy:
   conversation is one chain of requests: a request whose keys contain an earlier request's
   last key continues it (`LiveConversations`). Under pressure some slot will be handed to
   another conversation soon, and every idle slot's content would then be saved on a request's
-  path.
+  path. After a restart, the entries on disk used within the window count as live too, so the
+  first evictions after it are free as well.
 - **Under pressure**, an idle slot whose content is not on disk (or whose disk copy is behind:
   a turn since the last save) and is worth a file (`policy.worth_saving`) is saved at once,
   least recently used first (it is the one `SlotPool.choose` hands out next), one save at a
@@ -96,6 +97,13 @@ class LiveConversations:
         while len(self._heads) > self.limit:
             del self._heads[next(iter(self._heads))]
         return not continued
+
+    def recall(self, heads: Sequence[tuple[str, float]], now: float) -> None:
+        """Conversations known from before a restart (`(last key, when last used)`, on this
+        clock): a restart does not end the pressure of the conversations that come back."""
+        merged = [*self._heads.items(), *((k, t) for k, t in heads if t >= now - self.window)]
+        merged.sort(key=lambda item: item[1])
+        self._heads = dict(merged[-self.limit :])
 
     def count(self, now: float) -> int:
         self._expire(now)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from .leases import Background
 from .pressure import IdleView, LiveConversations, next_background_save
 from .slots import Slot, SlotPool
 from .slotwork import SlotWork
+from .store import Entry
 from .upstream import UpstreamError
 
 log = logging.getLogger("kvproxy.cache")
@@ -42,6 +44,13 @@ class Warmer:
         # eviction still tries), else a failing disk would be retried in a tight loop.
         self._failed: set[str] = set()
         pool.on_release = self.kick
+
+    def recall(self, entries: Iterable[Entry]) -> None:
+        """At start-up: the conversations on disk used within the live window are live."""
+        if self.live.window <= 0:
+            return
+        wall, mono = time.time(), time.monotonic()
+        self.live.recall([(e.key, mono - (wall - e.last_used)) for e in entries], mono)
 
     def seen(self, keys: list[str]) -> None:
         """A keyed request came; a conversation not live before may start the pressure."""

@@ -61,3 +61,12 @@ def test_memory_is_bounded_however_many_conversations_come() -> None:
     for i in range(10):
         live.seen([f"k{i}"], now=i)
     assert live.count(now=10) == 3
+
+
+def test_conversations_known_from_before_a_restart_stay_live_within_the_window() -> None:
+    live = LiveConversations(window=600)
+    live.seen(["new1"], now=1000)
+    live.recall([("old1", 900.0), ("old2", 100.0)], now=1000)  # old2: beyond the window
+    assert live.count(now=1000) == 2
+    assert not live.seen(["old1", "old1-reply", "old1-next"], now=1001)  # it came back
+    assert live.count(now=1001) == 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .conftest import Maker, RunningProxy
+from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
 from .test_cache import actions, chat, conv, settle, then
 
@@ -114,3 +114,27 @@ async def test_a_background_save_does_not_hold_up_requests_on_other_slots(make: 
     assert len(answered) == pending
     await settle(proxy)
     assert saves_answered(fake, home) == pending + 1
+
+
+async def test_after_a_restart_the_first_eviction_is_free_too(make: Maker) -> None:
+    """The conversations on disk used within the live window are live after a restart: once
+    one comes back, the slot it leaves idle is saved before a third needs it."""
+    fake, proxy = await make()
+    replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    await proxy.stop()  # graceful: everything still in a slot is saved
+    assert fake.slot_save_path is not None
+    assert len(list(fake.slot_save_path.glob("*.idx"))) == 3
+    for slot in fake.slots:  # the server restarted too: its slots are empty
+        slot.tokens.clear()
+    again = await start_proxy(fake.url, fake.slot_save_path, min_tokens=0, idle_save_after=3600)
+    try:
+        assert again.stats()["live_conversations"] == 3
+        for c in (1, 2, 3):
+            status, body, h = await chat(again, then(conv(c), replies[c]))
+            assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+            assert body["choices"][0]["message"]["content"] == "Echo: next question"
+            await settle(again)
+        # 3 took a slot whose turn 2 was saved in the background: no save on any path.
+        assert on_path_saves(again) == 0 and again.stats()["background_saves"] >= 1
+    finally:
+        await again.stop()
