@@ -3,11 +3,14 @@ its eviction free: decisions on plain data (no I/O, no clock; cache.py runs the 
 
 Without this, a slot is saved when a request needs it for another conversation: the
 canonical prefix (templates, tokenisation, an evaluation on the slot), the server's save,
-fsync, rename and index write all run before that request is forwarded. On the bundled model
-(2 cores) that costs 80-120 ms per 1,400-token conversation, most of it in the canonical
-prefix; the server's save itself is 4-10 ms for a 10 MB state, and grows with the state
-(about 7 MB per 1k tokens with --swa-full). Agents come back within seconds (tool loops),
-so the 30-second idle save never ran first.
+fsync, rename and index write all run before that request is forwarded. Measured on the
+bundled model, 1,400-token conversations (2 cores, load 8-11, `kvproxy bench workload`,
+2026-12-01): the canonical prefix took 250-950 ms, and as long as the other slot's whole
+prefill when one ran meanwhile (the server evaluates it in its next batch); the server's save
+of the 12 MB state 50-300 ms (10-20 ms for 21 MB on a quiet machine, DESIGN.md). Agents come
+back within 0.5-3 s (tool loops), so the 30-second idle save never ran first, while such a
+save fits well inside an agent's gap, and back to back the next request takes the other,
+least recently used slot, so the save overlaps it instead of preceding it.
 
 The policy:
 
@@ -23,7 +26,9 @@ The policy:
   a turn since the last save) and is worth a file (`policy.worth_saving`) is saved at once,
   least recently used first (it is the one `SlotPool.choose` hands out next), one save at a
   time: saves share the disk and the server's one compute loop with the requests on other
-  slots, and one at a time bounds what they take from them.
+  slots, and one at a time bounds what they take from them. (The server runs slot actions on
+  that loop: a restore asked for during another slot's save waits for it. Measured back to
+  back, such restores took 440-580 ms against 10-27 ms with an agent's gaps between.)
 - **Without pressure** nothing is saved early: every live conversation keeps its slot, so an
   early save would be I/O for nothing. The idle save after `idle_save_after` still applies.
 - **Never while a request waits for a slot**: a save would hold the slot that request is about
