@@ -1,10 +1,11 @@
 """The conversation cache, wired together: one llama-server (backend.py), the disk store,
 the slot work, and the request path (conversations.py); its life cycle and housekeeping.
 
-Saves happen at eviction, after an idle while, on shutdown (write-back), or after every
-reply (write-through). Housekeeping runs every second on the event loop: it notices
+Saves happen in the background (warm.py: idle slots under slot pressure, or after an idle
+while), at eviction when no background save came first, on shutdown (write-back), or after
+every reply (write-through). Housekeeping runs every second on the event loop: it notices
 entries removed by `kvproxy rm|gc`, checks the server is still the one it knows, applies
-the TTL and the byte budget, and saves idle slots.
+the TTL and the byte budget, and looks for idle slots to save.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from .conversations import Conversations
 from .events import Events
 from .habits import Habits
 from .leases import Background
-from .policy import RestoreGuard, due_for_idle_save
+from .policy import RestoreGuard
 from .slots import QueueFull, SlotPool
 from .slotwork import SlotWork
 from .store import Store
 from .unkeyed import Unkeyed
 from .upstream import Upstream, UpstreamError
+from .warm import Warmer
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -47,6 +49,13 @@ class ConversationCache:
         self.work = SlotWork(
             self.backend, self.store, settings, events, self.habits, self.guard, self.background
         )
+        self.warmer = Warmer(
+            self.backend.pool,
+            self.work,
+            self.background,
+            settings.live_window,
+            settings.idle_save_after,
+        )
         self.unkeyed = Unkeyed(self.backend, self.work, events, self.background)
         self.conversations = Conversations(
             settings,
@@ -58,6 +67,7 @@ class ConversationCache:
             self.guard,
             self.background,
             self.unkeyed,
+            self.warmer,
         )
         self._housekeeper: asyncio.Task[None] | None = None
 
@@ -88,6 +98,7 @@ class ConversationCache:
             "entries": entries,
             "disk_bytes": used,
             "queue_waiting": self.pool.waiting,
+            "live_conversations": self.warmer.live.count(time.monotonic()),
             "slots": [
                 {
                     "id": s.id,
@@ -104,13 +115,16 @@ class ConversationCache:
 
     async def start(self) -> None:
         await self.store.open_async()
+        self.warmer.recall(self.store.entries.values())
         try:
             await self.backend.discover()
         except UpstreamError as exc:
             log.warning("llama-server not ready (%s); will retry in the background", exc)
         self._housekeeper = asyncio.create_task(self._housekeeping())
+        self.warmer.enabled = True
 
     async def stop(self) -> None:
+        self.warmer.enabled = False  # a save under way finishes; no new one starts
         if self._housekeeper is not None:
             self._housekeeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -138,7 +152,8 @@ class ConversationCache:
                     await self.notice_removals()
                     await self.backend.discover()
                 await self.work.evict()
-                await self._idle_saves()
+                if self.enabled:
+                    self.warmer.kick()
             except UpstreamError as exc:
                 log.debug("housekeeping: %s", exc)
             except Exception:
@@ -148,21 +163,3 @@ class ConversationCache:
         gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
-
-    async def _idle_saves(self) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        for slot in self.pool.slots:
-            worth = not slot.busy and self.work.worth_saving(slot)
-            if not due_for_idle_save(now - slot.last_used, self.settings.idle_save_after, worth):
-                continue
-            if not self.pool.try_take(slot):
-                continue
-            try:
-                await self.work.verify(slot)
-                await self.work.save(slot)
-            except UpstreamError as exc:
-                log.debug("idle save of slot %d: %s", slot.id, exc)
-            finally:
-                self.pool.release(slot)

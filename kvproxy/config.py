@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     idle_save_after: Duration = Field(
         30.0, description="save a slot's conversation after it has been idle this long"
     )
+    live_window: Duration = Field(
+        600.0,
+        description="a conversation seen this recently is live; with more live conversations "
+        "than slots, idle slots are saved at once in the background (0 = only idle saves)",
+    )
     write_through: bool = Field(False, description="save after every reply instead of write-back")
     keep_reasoning: bool = Field(
         False, description="key replies with reasoning_content (for clients that echo it back)"

@@ -44,6 +44,7 @@ from .slotwork import SlotWork
 from .store import Entry, Store
 from .unkeyed import Unkeyed, busy_response
 from .upstream import UpstreamError
+from .warm import Warmer
 from .wire import Conversation, NotKeyed, WireAdapter
 
 log = logging.getLogger("kvproxy.cache")
@@ -87,8 +88,10 @@ class Conversations:
         guard: RestoreGuard,
         background: Background,
         unkeyed: Unkeyed,
+        warmer: Warmer,
     ) -> None:
         self.unkeyed = unkeyed
+        self.warmer = warmer
         self.settings = settings
         self.backend = backend
         self.pool = backend.pool
@@ -143,6 +146,8 @@ class Conversations:
             )
             return busy_response(exc)
         times = (started, time.perf_counter() - started)  # (start, queue wait)
+        # After the acquire: this request has its slot; a background save may take another.
+        self.warmer.seen(conv.keys)
         lease = Lease(self.pool, [slot], self.background)
         try:
             try:

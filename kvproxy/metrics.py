@@ -148,6 +148,12 @@ class Metrics:
         )
         for decision in (Decision.RESIDENT, Decision.RESTORED):
             self.weak_hits.labels(decision.value)
+        self.background_saves = Counter(
+            "kvproxy_background_saves",
+            "Saves made off every request's path (idle slots saved under slot pressure or "
+            "after --idle-save-after); the rest of kvproxy_slot_actions' saves ran on one.",
+            registry=r,
+        )
         self.counts = {
             Count.EVICTION: Counter(
                 "kvproxy_evictions", "Cache entries evicted (TTL or byte budget).", registry=r
@@ -203,6 +209,8 @@ class Metrics:
             self.action_tokens.labels(event.action).inc(event.tokens)
             self.action_seconds.labels(event.action).observe(event.seconds)
             self.action_bytes.labels(event.action).observe(event.bytes)
+            if event.background:
+                self.background_saves.inc()
 
     def _route(self, path: str) -> str:
         # Label values must stay few: a client could otherwise mint one per path spelling.
@@ -240,6 +248,7 @@ class Metrics:
             "requests_by_status": by_status,
             "saves": actions.get(("save", "ok"), 0),
             "save_failures": actions.get(("save", "error"), 0),
+            "background_saves": int(_total(self.background_saves)),
             "restores": actions.get(("restore", "ok"), 0),
             "restore_failures": actions.get(("restore", "error"), 0),
             "saved_tokens": tokens.get("save", 0),

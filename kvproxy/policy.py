@@ -209,7 +209,3 @@ class RestoreGuard:
             self._off.add(namespace)
             return True
         return False
-
-
-def due_for_idle_save(idle_for: float, idle_save_after: float, worth: bool) -> bool:
-    return worth and idle_for >= idle_save_after

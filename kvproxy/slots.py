@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +147,8 @@ class SlotPool:
         # wait for all of them never ends.
         self._arrivals = 0
         self._draining: list[int] = []  # numbers of the requests waiting for every slot
+        # Called (on the loop) whenever a slot becomes idle: background saves look for work.
+        self.on_release: Callable[[], None] | None = None
 
     def resize(self, n_slots: int) -> None:
         if n_slots != len(self.slots):
@@ -276,13 +278,17 @@ class SlotPool:
                 slot.mark_started()
             return list(self.slots)
 
-    def release(self, slot: Slot) -> None:
-        """Sync, so it is safe in `finally` blocks of cancelled tasks."""
+    def release(self, slot: Slot, used: bool = True) -> None:
+        """Sync, so it is safe in `finally` blocks of cancelled tasks. `used=False`: background
+        work, which must not make the slot look recently used (LRU order is a request's)."""
         slot.busy = False
-        slot.last_used = time.monotonic()
+        if used:
+            slot.last_used = time.monotonic()
         task = asyncio.get_running_loop().create_task(self._notify())
         self._notifying.add(task)
         task.add_done_callback(self._notifying.discard)
+        if self.on_release is not None:
+            self.on_release()
 
     async def _notify(self) -> None:
         async with self._cond:

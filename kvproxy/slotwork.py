@@ -101,10 +101,13 @@ class SlotWork:
 
     # --- saving
 
-    async def save(self, slot: Slot) -> bool:
-        """Save what the slot holds under its key. The slot must be ours and verified."""
+    async def save(self, slot: Slot, background: bool = False) -> bool:
+        """Save what the slot holds under its key. The slot must be ours and verified.
+        `background`: no request waits for it (counted apart)."""
+        begun = time.perf_counter()
         if slot.holding is not None and not slot.holding.canonical and slot.holding.messages:
             await self._make_canonical(slot)
+        canonical_ms = (time.perf_counter() - begun) * 1000
         holding = slot.holding
         if holding is None:
             return False
@@ -144,16 +147,19 @@ class SlotWork:
         seconds = time.perf_counter() - started
         slot.mark_saved()
         self.events.slot_action(
-            SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds)
+            SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds, background)
         )
         self._disk_error_logged = False
         log.info(
-            "saved slot %d: %s, %d tokens, %d bytes in %.1f ms",
+            "saved slot %d%s: %s, %d tokens, %d bytes in %.1f ms (canonical prefix before: "
+            "%.1f ms)",
             slot.id,
+            " in the background" if background else "",
             holding.key[:12],
             saved.n_saved,
             entry.state_bytes,
             seconds * 1000,
+            canonical_ms,
         )
         await self.evict()
         return True

@@ -81,7 +81,8 @@ def render_stats(s: dict[str, Any], url: str) -> str:
         ],
         [
             "saves",
-            f"{s.get('saves', 0):,} ok, {s.get('save_failures', 0):,} failed, "
+            f"{s.get('saves', 0):,} ok ({s.get('background_saves', 0):,} in the background), "
+            f"{s.get('save_failures', 0):,} failed, "
             f"{human_bytes(int(s.get('saved_bytes', 0)))}, p50 {ms('save_seconds')}",
         ],
         [

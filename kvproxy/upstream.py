@@ -33,6 +33,9 @@ class Upstream:
             connector=connector,
             auto_decompress=False,  # bytes pass through exactly as the server sent them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            # A proxy keeps no cookies: one the server set must never ride along on another
+            # client's request (and the jar is work on every request and reply).
+            cookie_jar=aiohttp.DummyCookieJar(),
             json_serialize=lambda obj: orjson.dumps(obj).decode(),
         )
 

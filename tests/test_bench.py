@@ -85,6 +85,15 @@ async def test_workload_three_arms_with_restart(env: BenchEnv, tmp_path: Path) -
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+async def test_workload_agent_paced(env: BenchEnv) -> None:
+    """The agent-paced case: tool-result turns after seeded gaps, served from kvproxy's cache."""
+    result = await workload.run_workload(env, tiny_workload(workload.PACED, (KVPROXY,)))
+    assert all(r.error is None for r in result.rows) and len(result.rows) == 4
+    mine = turn2(result, workload.PACED, KVPROXY)
+    assert mine.cached > 0.8 * mine.reusable
+    assert "at an agent's pace" in workload.markdown(result)
+
+
 async def test_restore_table_plot_and_document(env: BenchEnv, tmp_path: Path) -> None:
     opts = restore.RestoreOptions(sizes=(256, 512), min_tokens=64, repeats=2)
     result = await restore.run_restore(env, opts)

@@ -81,7 +81,10 @@ async def test_evicted_conversation_is_saved_then_restored(make: Maker) -> None:
     for c in (1, 2, 3):
         _, replies[c], _ = await chat(proxy, conv(c))
     await settle(proxy)
-    assert len(actions(fake, "save")) == 1  # conversation 1 made room for 3
+    # Conversation 1 made room for 3 on 3's path; with 3 live conversations on 2 slots, 2 and
+    # 3 were then saved in the background.
+    assert len(actions(fake, "save")) == 3
+    assert proxy.stats()["saves"] - proxy.stats()["background_saves"] == 1
     status, r, h = await chat(proxy, then(conv(1), replies[1]))
     assert status == 200 and h["X-KVProxy-Cache"] == "restored"
     assert int(h["X-KVProxy-Restored-Tokens"]) > 300 and float(h["X-KVProxy-Restore-Ms"]) >= 0
@@ -143,7 +146,8 @@ async def test_a_state_damaged_on_disk_is_never_restored(make: Maker) -> None:
     """Same size, same header, other bytes: the checksum recorded at commit catches it (beside
     the server's restore); the slot is erased before the request goes, which is answered
     uncached, and the entry is gone."""
-    fake, proxy = await make()
+    # Background saves off: the one entry on disk is conversation 1's.
+    fake, proxy = await make(live_window=0)
     r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     [entry] = proxy.cache.store.entries.values()
@@ -164,7 +168,8 @@ async def test_a_state_damaged_on_disk_is_never_restored(make: Maker) -> None:
 async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> None:
     """A state the checksum passes but the server refuses (damaged before it was committed):
     the failed restore erased the slot, the request goes through uncached, the entry goes."""
-    fake, proxy = await make()
+    # Background saves off: the one entry on disk is conversation 1's.
+    fake, proxy = await make(live_window=0)
     r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     [entry] = proxy.cache.store.entries.values()
@@ -181,7 +186,8 @@ async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> N
 
 
 async def test_truncated_state_file_is_never_sent_to_the_server(make: Maker) -> None:
-    fake, proxy = await make()
+    # Background saves off: the one entry on disk is conversation 1's.
+    fake, proxy = await make(live_window=0)
     r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     [entry] = proxy.cache.store.entries.values()
@@ -194,7 +200,8 @@ async def test_truncated_state_file_is_never_sent_to_the_server(make: Maker) -> 
 
 
 async def test_checkpoint_sidecars_live_and_die_with_their_entry(make: Maker) -> None:
-    fake, proxy = await make(server={"write_sidecar": True}, max_disk=0)
+    # Background saves off: the one entry on disk is conversation 1's.
+    fake, proxy = await make(server={"write_sidecar": True}, max_disk=0, live_window=0)
     for c in (1, 2, 3):
         await chat(proxy, conv(c))
     await settle(proxy)
@@ -216,7 +223,8 @@ async def test_checkpoint_sidecars_live_and_die_with_their_entry(make: Maker) ->
 
 
 async def test_ttl_eviction_before_lookup(make: Maker) -> None:
-    fake, proxy = await make(ttl=0.3)
+    # Background saves off: the one entry on disk is conversation 1's.
+    fake, proxy = await make(ttl=0.3, live_window=0)
     r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     assert len(proxy.cache.store.entries) == 1

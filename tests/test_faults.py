@@ -36,7 +36,9 @@ async def test_full_disk_commits_nothing_and_keeps_serving(
     fake.fail_saves = False  # space comes back: saving resumes
     await chat(proxy, conv(6))
     await settle(proxy)
-    assert len(list(fake.slot_save_path.glob("*.idx"))) == 1
+    # The conversation 6 evicted, on its path, and 6 itself in the background (its slot went
+    # idle under pressure); 5's save had failed, so only a request's eviction retries it.
+    assert len(list(fake.slot_save_path.glob("*.idx"))) == 2
 
 
 async def spawn_proxy(upstream: str, cache: Path, port: int) -> subprocess.Popen[bytes]:
@@ -93,9 +95,14 @@ async def test_proxy_killed_mid_operation(tmp_path: Path, phase: str) -> None:
         for c in (1, 2):
             _, replies[c], _ = await chat(remote, conv(c))
         if phase == "restore":
-            await chat(remote, conv(3))  # conversation 1 is saved and committed
-            await asyncio.sleep(0.2)
-            assert len(list(cache.glob("*.idx"))) == 1
+            # Conversation 1 is saved on 3's path; 2 and 3 in the background (3 live
+            # conversations, 2 slots): all three committed before the restore starts.
+            await chat(remote, conv(3))
+            for _ in range(100):
+                if len(list(cache.glob("*.idx"))) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(list(cache.glob("*.idx"))) == 3
         fake.action_delay = 5.0 if phase != "stream" else 0.0
         victim = {
             "save": conv(3),  # evicts conversation 1: a save starts

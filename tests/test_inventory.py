@@ -24,8 +24,9 @@ NS = keys.namespace("m", {}, None)
 
 
 async def filled(make: Maker) -> tuple[RunningProxy, Path, dict]:
-    """A proxy whose cache dir holds three saved conversations (the proxy still runs)."""
-    _fake, proxy = await make()
+    """A proxy whose cache dir holds three saved conversations (the proxy still runs): the
+    ones evicted (background saves off, so exactly those)."""
+    _fake, proxy = await make(live_window=0)
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3, 4, 5)}
     await settle(proxy)
     assert len(proxy.cache.store.entries) == 3
@@ -156,7 +157,7 @@ def test_rm_by_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 async def test_rm_all_while_the_proxy_runs_gives_misses(
     make: Maker, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake, proxy = await make()
+    fake, proxy = await make(live_window=0)  # background saves off: only the evicted one
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     root = proxy.cache.store.root
@@ -218,6 +219,8 @@ async def test_stats_reads_a_running_proxy(make: Maker, capsys: pytest.CaptureFi
     assert "requests     resident 0  restored 1  miss 5  bypass 0" in out
     assert f"disk         {len(proxy.cache.store.entries)} entries" in out
     assert "restores     1 ok, 0 failed" in out
+    # Conversations 1-3 made room for 3-5, and 1's return for itself (background saves off).
+    assert "saves        4 ok (0 in the background), 0 failed" in out
     assert out.splitlines()[-2].startswith("  0  idle")
     port = proxy.url.rsplit(":", 1)[1]
     code, out, _ = await asyncio.to_thread(run, capsys, "stats", "--port", port, "--json")
@@ -272,7 +275,7 @@ async def test_a_running_proxy_notices_removals(
         await chat(proxy, conv(c))
     await settle(proxy)
     root = proxy.cache.store.root
-    assert proxy.stats()["entries"] == 1
+    assert proxy.stats()["entries"] == 3  # 1 evicted; 2 and 3 saved in the background
     code, _, _ = await asyncio.to_thread(run, capsys, "rm", "--all", "--cache-dir", str(root))
     assert code == 0
     await proxy.cache.notice_removals()  # what housekeeping does every 15 s

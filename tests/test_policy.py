@@ -12,7 +12,6 @@ from kvproxy.policy import (
     RestoreGuard,
     RestoreVerdict,
     choose,
-    due_for_idle_save,
     judge_restore,
     worth_saving,
 )
@@ -86,9 +85,3 @@ def test_the_guard_turns_restores_off_after_wasted_ones_in_a_row() -> None:
     other.record("a", RestoreVerdict.REUSED)  # breaks the streak
     other.record("a", RestoreVerdict.UNKNOWN)  # says nothing
     assert not other.record("a", RestoreVerdict.WASTED) and other.allows("a")
-
-
-def test_idle_saves_wait_for_the_idle_time() -> None:
-    assert due_for_idle_save(31.0, 30.0, worth=True)
-    assert not due_for_idle_save(29.0, 30.0, worth=True)
-    assert not due_for_idle_save(100.0, 30.0, worth=False)

@@ -202,3 +202,39 @@ async def test_malformed_chat_json_is_a_clear_400(echo: EchoUpstream, eproxy: Ru
         body = await resp.json()
         assert body["error"]["type"] == "invalid_request_error"
         assert "JSON" in body["error"]["message"]
+
+
+async def test_cookies_the_server_sets_never_ride_along_on_other_requests(
+    tmp_path: Path,
+) -> None:
+    """A transparent proxy keeps no cookie jar: a Set-Cookie reaches its client, and no later
+    request (another client's) carries it to the server."""
+
+    async def set_cookie(_request: web.Request) -> web.Response:
+        resp = web.Response(text="set")
+        resp.set_cookie("session", "tenant-a-secret")
+        return resp
+
+    async def echo_cookie(request: web.Request) -> web.Response:
+        return web.Response(text=request.headers.get("Cookie", "none"))
+
+    app = web.Application()
+    app.router.add_get("/set", set_cookie)
+    app.router.add_get("/echo", echo_cookie)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    # A host name, not an IP address: aiohttp's default jar ignores cookies from IP addresses.
+    proxy = await start_proxy(f"http://localhost:{port}", cache)
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as s:
+            async with s.get(proxy.url + "/set") as r:
+                assert "tenant-a-secret" in r.headers.get("Set-Cookie", "")
+            async with s.get(proxy.url + "/echo") as r:
+                assert await r.text() == "none"
+    finally:
+        await proxy.stop()
+        await runner.cleanup()

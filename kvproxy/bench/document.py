@@ -27,12 +27,14 @@ WORKLOAD_METHOD = """\
 ## workload: N conversations × T turns through S slots
 
 Turn 1 in order (1, 2, 3, 4); turn 2 in the order 1, 2, 4, 3, so the first conversation to come
-back is not the one that stayed in a slot. A second case sends two conversations through two
-slots in the order 1, 2, 1, 2 (all resident). The restart case repeats the first with every
-process of the arm stopped and started between the turns (kvproxy: SIGTERM, which saves its
-slots, then a new proxy and a new llama-server; direct arms: a new llama-server). System
-prompts are ~1,400 tokens; replies are greedy (`temperature: 0`), non-streamed,
-`max_tokens: 16`.
+back is not the one that stayed in a slot. The agent-paced case sends the same orders as an
+agent would: a seeded gap of 0.5–3 s before every request (a tool running; the gaps are not
+part of any time shown) and, after turn 1, a short tool-result-like user turn. A further case
+sends two conversations through two slots in the order 1, 2, 1, 2 (all resident). The
+restart case repeats the first with every process of the arm stopped and started between the
+turns (kvproxy: SIGTERM, which saves its slots, then a new proxy and a new llama-server;
+direct arms: a new llama-server). System prompts are ~1,400 tokens; replies are greedy
+(`temperature: 0`), non-streamed, `max_tokens: 16`.
 
 - **presented**: prompt tokens of the turn (`cache_n + prompt_n` from the replies' `timings`);
 - **from cache**: `timings.cache_n`; **prefilled**: `timings.prompt_n`;

@@ -2,9 +2,12 @@
 
 Turn 1 goes in order (1, 2, …, N). Turn 2 swaps the last two (1, 2, 4, 3 for N = 4), so the
 conversation that comes back first is not the one a plain LRU would keep; later turns use a
-seeded shuffle. A second case sends S conversations in order every turn (1, 2, 1, 2 for S = 2):
-everything stays resident. With `restart`, a third case repeats the first with every process
-of the arm restarted between turns.
+seeded shuffle. The agent-paced case sends the same orders at an agent's pace: a seeded gap of
+0.5–3 s before every request (a tool running, the agent thinking) and, after turn 1, short
+tool-result-like user turns, as a tool loop sends them; the gaps are not timed. A further case
+sends S conversations in order every turn (1, 2, 1, 2 for S = 2): everything stays resident.
+With `restart`, a last case repeats the first with every process of the arm restarted between
+turns.
 
 Per request: `timings.cache_n` (served from cache) and `prompt_n` (prefilled) from the reply,
 and the ideal prefill: only the new turn. The prompt is rendered by `/apply-template` and
@@ -18,6 +21,7 @@ tokens that were actually served from cache.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,8 +43,12 @@ from .conversations import facts_for, first_turn, next_turn
 from .report import pct, progress, table
 
 SHUFFLED = "shuffled"
+PACED = "paced"  # the shuffled orders at an agent's pace, tool-result turns
 RESIDENT = "resident"
 RESTART = "restart"
+
+# The agent-paced case: seconds between a reply and the next request (uniform, seeded).
+AGENT_GAP = (0.5, 3.0)
 
 
 @dataclass
@@ -105,13 +113,29 @@ def case_label(case: str, opts: WorkloadOptions) -> str:
         return f"{s} conversations through {s} slots, order {seq},{seq}"
     order2 = ",".join(map(str, turn_order(n, 2, opts.seed)))
     label = f"{n} conversations through {s} slots, turn 2 in order {order2}"
+    if case == PACED:
+        low, high = AGENT_GAP
+        return label + f", at an agent's pace ({low:g}–{high:g} s gaps, tool-result turns)"
     return label + (", both processes restarted between turns" if case == RESTART else "")
 
 
 def cases(opts: WorkloadOptions) -> list[str]:
     if opts.only_cases is not None:
         return list(opts.only_cases)
-    return [SHUFFLED, RESIDENT] + ([RESTART] if opts.restart else [])
+    return [SHUFFLED, PACED, RESIDENT] + ([RESTART] if opts.restart else [])
+
+
+def tool_result(turn: int, conversation: int) -> str:
+    """A short user turn as a tool loop sends one: the output of the tool the agent ran."""
+    return (
+        f"Tool output (step {turn}, project {conversation}): exit code 0, "
+        f"{turn + conversation} files checked, no errors. Continue."
+    )
+
+
+def agent_gaps(seed: int) -> random.Random:
+    """The same gaps in every arm of a run."""
+    return random.Random(seed * 7919 + 17)
 
 
 async def run_workload(env: BenchEnv, opts: WorkloadOptions) -> WorkloadResult:
@@ -137,6 +161,7 @@ async def _run_case(
     n = opts.slots if case == RESIDENT else opts.conversations
     n_facts = facts_for(opts.prompt_tokens)
     convs = {c: first_turn(c, n_facts) for c in range(1, n + 1)}
+    gaps = agent_gaps(opts.seed) if case == PACED else None
     for turn in range(1, opts.turns + 1):
         if turn > 1 and case == RESTART:
             progress(f"workload: restarting {arm.name}")
@@ -144,6 +169,8 @@ async def _run_case(
         order = list(range(1, n + 1)) if case == RESIDENT else turn_order(n, turn, opts.seed)
         for c in order:
             messages = convs[c]
+            if gaps is not None and (turn, c) != (1, order[0]):
+                await asyncio.sleep(gaps.uniform(*AGENT_GAP))  # not part of any request's time
             reply = await client.chat(arm.url, messages, opts.max_tokens)
             # Token counts are taken after the timed request, so they cost the arm nothing.
             reusable = await _reusable(client, arm.url, messages) if turn > 1 else 0
@@ -170,6 +197,8 @@ async def _run_case(
                 + (f" ERROR {reply.error}" if reply.error else "")
             )
             convs[c] = next_turn(messages, _echo(reply), turn + 1)
+            if case == PACED:
+                convs[c][-1] = {"role": "user", "content": tool_result(turn + 1, c)}
 
 
 def _echo(reply: Reply) -> str:
@@ -272,11 +301,16 @@ def markdown(result: WorkloadResult) -> str:
     return "\n\n".join(parts)
 
 
-def turn2_pct(result: WorkloadResult, case: str, arm: str = KVPROXY) -> float | None:
+def turn2(result: WorkloadResult, case: str, arm: str = KVPROXY) -> TurnSummary | None:
     for s in summarize(result):
         if s.case == case and s.arm == arm and s.turn == 2:
-            return s.pct_of_ideal
+            return s
     return None
+
+
+def turn2_pct(result: WorkloadResult, case: str, arm: str = KVPROXY) -> float | None:
+    s = turn2(result, case, arm)
+    return None if s is None else s.pct_of_ideal
 
 
 def plot(result: WorkloadResult, path: Path) -> None:
@@ -294,7 +328,12 @@ def plot(result: WorkloadResult, path: Path) -> None:
             got[0] += s.cached
             got[1] += s.reusable
     case_names = cases(opts)
-    labels = {SHUFFLED: "evictions", RESIDENT: "all resident", RESTART: "after restart"}
+    labels = {
+        SHUFFLED: "evictions",
+        PACED: "agent-paced",
+        RESIDENT: "all resident",
+        RESTART: "after restart",
+    }
     colors = {DIRECT_NO_CACHE: "tab:red", DIRECT_RAM_CACHE: "tab:orange", KVPROXY: "tab:blue"}
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     width = 0.8 / max(1, len(opts.arms))

@@ -1,0 +1,72 @@
+"""The background-save policy (kvproxy/pressure.py) on plain data."""
+
+from __future__ import annotations
+
+from kvproxy.pressure import IdleView, LiveConversations, next_background_save
+
+
+def view(i: int, idle_for: float, busy: bool = False, worth: bool = True) -> IdleView:
+    return IdleView(i, busy, worth, idle_for)
+
+
+def test_under_pressure_the_least_recently_used_idle_slot_goes_first() -> None:
+    slots = [view(0, 1.0), view(1, 5.0), view(2, 3.0, busy=True)]
+    assert next_background_save(slots, live=4, waiting=0, idle_save_after=30) == 1
+
+
+def test_without_pressure_only_the_idle_save_applies() -> None:
+    slots = [view(0, 10.0), view(1, 31.0)]
+    assert next_background_save(slots, live=2, waiting=0, idle_save_after=30) == 1
+    assert next_background_save(slots[:1], live=1, waiting=0, idle_save_after=30) is None
+
+
+def test_busy_saved_and_unworthy_slots_are_never_chosen() -> None:
+    slots = [view(0, 100.0, busy=True), view(1, 100.0, worth=False)]
+    assert next_background_save(slots, live=9, waiting=0, idle_save_after=30) is None
+
+
+def test_nothing_is_saved_while_a_request_waits_for_a_slot() -> None:
+    slots = [view(0, 100.0), view(1, 100.0)]
+    assert next_background_save(slots, live=9, waiting=1, idle_save_after=30) is None
+
+
+def test_a_conversation_counts_once_however_many_turns_it_had() -> None:
+    live = LiveConversations(window=600)
+    assert live.seen(["a1", "a2"], now=0)
+    assert not live.seen(["a1", "a2", "a3", "a4"], now=1)  # turn 2 contains turn 1's last key
+    assert live.seen(["b1"], now=2)
+    assert not live.seen(["b1"], now=3)  # the same request again (a regenerated reply)
+    assert live.count(now=3) == 2
+
+
+def test_a_branch_is_a_conversation_of_its_own() -> None:
+    live = LiveConversations(window=600)
+    live.seen(["a1", "a2", "a3", "a4"], now=0)
+    assert live.seen(["a1", "a2", "x3", "x4"], now=1)  # parts from it before its last key
+    assert live.count(now=1) == 2
+
+
+def test_conversations_stop_being_live_after_the_window() -> None:
+    live = LiveConversations(window=10)
+    live.seen(["a1"], now=0)
+    live.seen(["b1"], now=5)
+    assert live.count(now=9) == 2
+    assert live.count(now=12) == 1
+    live.seen(["b1", "b2", "b3"], now=14)  # seen again: its clock starts again
+    assert live.count(now=20) == 1
+
+
+def test_memory_is_bounded_however_many_conversations_come() -> None:
+    live = LiveConversations(window=600, limit=3)
+    for i in range(10):
+        live.seen([f"k{i}"], now=i)
+    assert live.count(now=10) == 3
+
+
+def test_conversations_known_from_before_a_restart_stay_live_within_the_window() -> None:
+    live = LiveConversations(window=600)
+    live.seen(["new1"], now=1000)
+    live.recall([("old1", 900.0), ("old2", 100.0)], now=1000)  # old2: beyond the window
+    assert live.count(now=1000) == 2
+    assert not live.seen(["old1", "old1-reply", "old1-next"], now=1001)  # it came back
+    assert live.count(now=1001) == 2
