@@ -279,36 +279,6 @@ def credited(r: Row) -> int:
     return 0 if r.decision in UNCACHED else r.cache_n
 
 
-@dataclass
-class TurnTotal:
-    """One client's turn in one arm, its requests summed."""
-
-    requests: int = 0
-    cache_n: int = 0
-    credited: int = 0  # what the cache served (see `credited`)
-    prompt_n: int = 0
-    ideal: int = 0
-    decision: str = ""  # of the first request
-
-    @property
-    def of_ideal(self) -> float | None:
-        return pct_of_ideal(self.credited, self.ideal)
-
-
-def turn_totals(result: AgentsResult) -> dict[tuple[str, str, str], TurnTotal]:
-    out: dict[tuple[str, str, str], TurnTotal] = {}
-    for r in result.rows:
-        t = out.setdefault((r.client, r.arm, r.turn), TurnTotal())
-        if not t.requests:
-            t.decision = r.decision
-        t.requests += 1
-        t.cache_n += r.cache_n
-        t.credited += credited(r)
-        t.prompt_n += r.prompt_n
-        t.ideal += r.ideal or 0
-    return out
-
-
 def _ratio(r: Row | None) -> str | None:
     return None if r is None else f"{r.cache_n:,} / {r.prompt_n:,}"
 
@@ -403,16 +373,18 @@ def checks(result: AgentsResult) -> list[Check]:
     opts = AgentsOptions(**result.options)
     if KVPROXY not in opts.arms:
         return []
-    totals = turn_totals(result)
+    # The first request of a turn is the one that meets the eviction or the restart (Claude
+    # Code's continuations of a cut reply are resident after it).
+    first = {(r.client, r.arm, r.turn): r for r in result.rows if r.request == 1}
     out = []
     for client in dict.fromkeys(r.client for r in result.rows):
         for turn, bar in [*((t, 0.99) for t in LATER), *((t, 0.95) for t in NEW_SESSIONS)]:
-            t = totals.get((client, KVPROXY, turn))
-            value = t.of_ideal if t else None
+            r = first.get((client, KVPROXY, turn))
+            value = pct_of_ideal(credited(r), r.ideal) if r else None
             measured = (
                 "not measured"
-                if t is None or value is None
-                else f"{100 * value:.1f}% ({t.credited:,} of {t.ideal:,}; {t.decision})"
+                if r is None or value is None
+                else f"{100 * value:.1f}% ({credited(r):,} of {r.ideal:,}; {r.decision})"
             )
             out.append(
                 Check(
