@@ -6,6 +6,7 @@ from it near its end)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,8 @@ def aider(t: int) -> tuple[list[dict], list[dict]]:
 
 
 async def crowd_out(url: str, t: int) -> None:
-    for other in (1, 2):
-        await chat(url, first_messages(100 * t + other))
+    """Three other conversations at once take both slots, so the agent's state goes to disk."""
+    await asyncio.gather(*(chat(url, first_messages(100 * t + other)) for other in (1, 2, 3)))
 
 
 @pytest.mark.parametrize("client", ["openclaw", "aider"])

@@ -6,6 +6,7 @@ the next turn extends the state exactly: with the fake's recurrent-model rule
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from hypothesis import given
@@ -120,12 +121,19 @@ async def turn(proxy: RunningProxy, messages: list[dict]) -> tuple[dict, dict[st
 
 
 async def crowd_out(proxy: RunningProxy, rounds: int) -> None:
-    """Two other conversations take both slots, so the agent's state goes to disk."""
-    for other in (1, 2):
-        await turn(
-            proxy,
-            [{"role": "system", "content": f"other {other} {rounds} " + "x " * 200}, user("hi")],
+    """Three other conversations at once take both slots, so the agent's state goes to disk."""
+    await asyncio.gather(
+        *(
+            turn(
+                proxy,
+                [
+                    {"role": "system", "content": f"other {other} {rounds} " + "x " * 200},
+                    user("hi"),
+                ],
+            )
+            for other in (1, 2, 3)
         )
+    )
     await settle(proxy)
 
 

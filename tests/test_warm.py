@@ -59,7 +59,9 @@ async def test_under_pressure_the_next_eviction_finds_its_slot_saved(make: Maker
     fake, proxy = await make()
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2)}
     await settle(proxy)
-    assert fake.actions == []  # two conversations, two slots: nothing saved early
+    # Two conversations, two slots: nothing saved early (a slot's first use after a proxy
+    # start may erase it: its tenant is unknown).
+    assert [a for a in fake.actions if a[0] != "erase"] == []
     replies[3] = (await chat(proxy, conv(3)))[1]
     await settle(proxy)
     # 3 live conversations on 2 slots: 1 was saved on 3's path (the pressure began with 3),
