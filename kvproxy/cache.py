@@ -76,7 +76,8 @@ class ConversationCache:
         return self.backend.disk_enabled
 
     def disk_usage(self) -> tuple[int, int, int]:
-        return len(self.store.entries), self.store.total_bytes, self.store.max_bytes
+        summary = self.store.summary  # kept by the store's queries: no database read here
+        return summary.entries, summary.bytes, self.store.max_bytes
 
     def state(self) -> dict[str, Any]:
         """What the cache holds now (`/kvproxy/stats` adds the counters)."""
@@ -103,12 +104,32 @@ class ConversationCache:
     # --- life cycle
 
     async def start(self) -> None:
-        await self.store.open_async()
+        """Start opening the cache dir and return: the proxy binds its port and serves
+        uncached (`backend.store_open` is false) while a large cache opens or imports."""
+        self.backend.store_open = False
+        self._housekeeper = asyncio.create_task(self._open_then_housekeep())
+
+    async def _open_then_housekeep(self) -> None:
+        started = time.perf_counter()
+        try:
+            await self.store.open_async()
+        except Exception:
+            log.exception("cannot open the cache dir %s: requests pass through", self.store.root)
+            return
+        log.info("cache dir open in %.2f s", time.perf_counter() - started)
+        self.backend.store_open = True
         try:
             await self.backend.discover()
         except UpstreamError as exc:
             log.warning("llama-server not ready (%s); will retry in the background", exc)
-        self._housekeeper = asyncio.create_task(self._housekeeping())
+        await self._housekeeping()
+
+    async def opened(self) -> None:
+        """Wait until the cache dir is open (tests and benchmarks)."""
+        while not self.store.ready:
+            if self._housekeeper is None or self._housekeeper.done():
+                raise RuntimeError("the cache dir did not open")
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         if self._housekeeper is not None:
@@ -116,7 +137,8 @@ class ConversationCache:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeper
         await self.background.wait()
-        if not self.enabled:
+        if not self.enabled or not self.store.ready:
+            self.store.close()
             return
         for slot in self.pool.slots:
             if self.work.worth_saving(slot):
@@ -127,6 +149,8 @@ class ConversationCache:
                         await self.work.save(got)
                     finally:
                         self.pool.release(got)
+        await self.background.wait()
+        self.store.close()
 
     # --- housekeeping
 
@@ -137,6 +161,8 @@ class ConversationCache:
                 if self.backend.props_check_due():
                     await self.notice_removals()
                     await self.backend.discover()
+                else:
+                    await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
                 await self.work.evict()
                 await self._idle_saves()
             except UpstreamError as exc:

@@ -242,7 +242,7 @@ class Conversations:
         # What the slot holds counts only if the server can serve the request from it.
         resident = self.openings.resident_depth(slot, conv)
         found = await self._lookup(conv) if self.backend.disk_enabled else None
-        self.openings.observe(conv, self.pool)
+        await self.openings.observe(conv, self.pool)
         move = choose(resident, found[1] if found else None, self.guard.allows(conv.namespace))
         if move is Move.RESTORE:
             assert found is not None
@@ -260,7 +260,7 @@ class Conversations:
             return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n)
         if move is Move.USE_RESIDENT:
             held = slot.holding
-            if held is not None and resident < len(held.chain) and self.openings.wanted(held):
+            if held is not None and resident < len(held.chain) and await self.openings.wanted(held):
                 # A new session or a branch parts from the slot's conversation: keep that
                 # conversation, and leave the opening they share on disk and in the slot.
                 await self.work.verify(slot)
@@ -280,7 +280,7 @@ class Conversations:
             await self.work.verify(slot)
             if self.work.worth_saving(slot, conv.keys):
                 await self.work.save(slot)
-        if slot.holding is not None and self.openings.wanted(slot.holding):
+        if slot.holding is not None and await self.openings.wanted(slot.holding):
             await self.work.verify(slot)
             await self.openings.before_reassign(slot, conv)
         await self.openings.prefill(slot, conv)
@@ -288,12 +288,12 @@ class Conversations:
 
     async def _lookup(self, conv: Conversation) -> tuple[Entry, int] | None:
         # The entry the server will reuse most, by the model class's rule (openings.py).
-        found = self.openings.pick(conv)
+        found = await self.openings.pick(conv)
         # Housekeeping applies the TTL every second; an entry that expired since then is
         # not restored either (a full eviction pass costs O(entries) per request).
         if found is not None and self.store.expired(found[0]):
             await self.work.evict()
-            found = self.openings.pick(conv)
+            found = await self.openings.pick(conv)
         return found
 
     async def _learn_echo_from_disk(self, entry: Entry, conv: Conversation) -> None:
