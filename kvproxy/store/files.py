@@ -120,8 +120,6 @@ class StoreFiles:
             if IDX_SUFFIX in suffixes:
                 out.records.append(key)
             if key in known:
-                if ".kv" not in suffixes:
-                    out.missing.append(key)
                 continue
             entry = self._import(key, suffixes, out.problems) if IDX_SUFFIX in suffixes else None
             if entry is not None:
@@ -133,6 +131,7 @@ class StoreFiles:
                     if suffix != IDX_SUFFIX:
                         log.info("sweeping uncommitted file %s%s", key, suffix)
                     _unlink(self.root / f"{key}{suffix}")
+        out.missing = [k for k in known if ".kv" not in by_key.get(k, ())]
         return out
 
     def _import(
