@@ -60,6 +60,7 @@ class ConversationCache:
             self.unkeyed,
         )
         self._housekeeper: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
 
     # --- what the scrape and the stats read
 
@@ -85,6 +86,7 @@ class ConversationCache:
         return {
             "enabled": self.enabled,
             "disk_enabled": self.disk_enabled,
+            "cache_open": self.store.ready,
             "model_class": self.backend.model_class,
             "entries": entries,
             "disk_bytes": used,
@@ -107,29 +109,30 @@ class ConversationCache:
         """Start opening the cache dir and return: the proxy binds its port and serves
         uncached (`backend.store_open` is false) while a large cache opens or imports."""
         self.backend.store_open = False
-        self._housekeeper = asyncio.create_task(self._open_then_housekeep())
+        self._started = asyncio.Event()
+        self._housekeeper = asyncio.create_task(self._open_then_housekeep(self._started))
 
-    async def _open_then_housekeep(self) -> None:
-        started = time.perf_counter()
+    async def _open_then_housekeep(self, started: asyncio.Event) -> None:
+        began = time.perf_counter()
         try:
             await self.store.open_async()
         except Exception:
             log.exception("cannot open the cache dir %s: requests pass through", self.store.root)
+            started.set()
             return
-        log.info("cache dir open in %.2f s", time.perf_counter() - started)
+        log.info("cache dir open in %.2f s", time.perf_counter() - began)
         self.backend.store_open = True
         try:
             await self.backend.discover()
         except UpstreamError as exc:
             log.warning("llama-server not ready (%s); will retry in the background", exc)
+        started.set()
         await self._housekeeping()
 
-    async def opened(self) -> None:
-        """Wait until the cache dir is open (tests and benchmarks)."""
-        while not self.store.ready:
-            if self._housekeeper is None or self._housekeeper.done():
-                raise RuntimeError("the cache dir did not open")
-            await asyncio.sleep(0.01)
+    async def started(self) -> None:
+        """Wait until the cache dir is open and the server was looked for once (what
+        `start` did before it returned, when the port bound only after the load)."""
+        await self._started.wait()
 
     async def stop(self) -> None:
         if self._housekeeper is not None:

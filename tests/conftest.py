@@ -65,7 +65,9 @@ async def start_proxy(upstream_url: str, cache_dir: Path, **overrides: Any) -> R
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", settings.port).start()
-    return RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
+    running = RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
+    await running.cache.started()  # the port binds first; tests start from an open cache
+    return running
 
 
 @pytest.fixture
