@@ -103,6 +103,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         used_before=now - unused if unused is not None else float("inf"),
     )
     shown, selected = store.listing(query)
+    # Only the rows shown are checked (a few lstats each): a damaged one is named, not listed.
+    damaged = [(e.key, why) for e in shown if (why := store.check_state_file(e)) is not None]
+    if damaged:
+        print(
+            f"{len(damaged)} damaged {entries_(len(damaged), counted=False)} not shown (a "
+            "restore drops them, as does `kvproxy rm`): "
+            + "; ".join(f"{k[:12]}: {why}" for k, why in damaged[:5]),
+            file=sys.stderr,
+        )
+        bad = {k for k, _ in damaged}
+        shown = [e for e in shown if e.key not in bad]
     if args.json:
         print(
             orjson.dumps([_entry_json(e, now) for e in shown], option=orjson.OPT_INDENT_2).decode()
