@@ -55,6 +55,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--turns", type=int)
     p.add_argument("--arms", help="comma-separated arms")
 
+    p = scenarios.add_parser("store", help="the disk index at N entries (no llama-server)")
+    p.add_argument("--entries", type=int, help="N (default 10,000)")
+    p.add_argument("--workdir", type=Path, default=None, help="the synthetic cache (temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.set_defaults(func=run_store)
+
     p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="restore: largest size")
@@ -74,3 +80,9 @@ def run(args: argparse.Namespace) -> int:
     from .bench.command import run as run_bench  # the benchmarks load here, and only here
 
     return run_bench(args)
+
+
+def run_store(args: argparse.Namespace) -> int:
+    from .bench.store import main  # needs no model or llama-server: not bench.command's run
+
+    return main(args)

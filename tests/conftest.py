@@ -28,6 +28,7 @@ from kvproxy.managed import (
     server_command,
 )
 from kvproxy.proxy import SERVICE, build_app
+from kvproxy.store import IndexDB
 
 from .fakeserver import FakeLlamaServer
 from .ggufmodels import model_files
@@ -49,6 +50,15 @@ class RunningProxy:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+
+
+def committed(cache: Path) -> set[str]:
+    """The keys the cache dir's index commits (read as another process would)."""
+    db = IndexDB(cache, create=False)
+    try:
+        return set(db.all_files())
+    finally:
+        db.close()
 
 
 Maker = Callable[..., Coroutine[Any, Any, tuple[FakeLlamaServer, "RunningProxy"]]]
