@@ -184,6 +184,18 @@ async def _save(store: Store) -> float:
     return time.perf_counter() - started
 
 
+async def _commit_files(store: Store) -> float:
+    key = secrets.token_hex(KEY_HEX_LEN // 2)
+    temp = store.temp_name(key)
+    await asyncio.to_thread((store.root / temp).write_bytes, state_bytes())
+    entry = Entry(key, NS, 200, 0, 2, 0.0, 0.0, chain=[key])
+    started = time.perf_counter()
+    await asyncio.to_thread(store.files.commit, entry, temp, None)
+    seconds = time.perf_counter() - started
+    await asyncio.to_thread(store.files.delete, [entry])
+    return seconds
+
+
 async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
     n = opts.entries
     shared = min(opts.shared, n // 2)
@@ -208,7 +220,7 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
     async with FakeLlamaServer(slot_save_path=root) as fake:
         raw["health_s"], raw["ready_s"], rss = await _serve(fake.url, root)
     async with FakeLlamaServer(slot_save_path=empty) as fake:
-        _, _, rss0 = await _serve(fake.url, empty)
+        raw["health_empty_s"], _, rss0 = await _serve(fake.url, empty)
     raw["rss_mib"] = rss / 1024
     raw["rss_per_entry_b"] = max(0, rss - rss0) * 1024 / n
 
@@ -220,23 +232,31 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
     times = sorted([await _save(store) for _ in range(opts.samples)])
     raw["save_ms"] = statistics.median(times) * 1000
     raw["save_p95_ms"] = times[int(len(times) * 0.95)] * 1000
+    # Of which the files alone: rename, fsync of the state and of the directory (as before
+    # the database), no index work.
+    times = sorted([await _commit_files(store) for _ in range(opts.samples)])
+    raw["save_files_ms"] = statistics.median(times) * 1000
     store.max_bytes = 0
 
     picks = [e for _, e in zip(range(opts.samples), store.entries.values(), strict=False)]
     it = iter(picks * 2)
 
-    async def restore_bookkeeping() -> None:
+    async def restore_check() -> None:
+        """What slotwork.restore does before it asks the server (the use is recorded in
+        the background after it)."""
         entry = next(it)
         store.pin(entry.key)
         try:
             problem = await asyncio.to_thread(store.check_state_file, entry)
             assert problem is None, problem
-            await store.touch_async(entry.key)
         finally:
             store.unpin(entry.key)
 
-    med, p95 = await _timed(len(picks), restore_bookkeeping)
+    med, p95 = await _timed(len(picks), restore_check)
     raw["restore_ms"], raw["restore_p95_ms"] = med * 1000, p95 * 1000
+    touched = iter(picks * 2)
+    med, _ = await _timed(len(picks), lambda: store.touch_async(next(touched).key))
+    raw["touch_ms"] = med * 1000
     checks = iter(picks * 2)
     med, _ = await _timed(
         len(picks), lambda: asyncio.to_thread(store.verify_checksum, next(checks))
@@ -291,7 +311,11 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
 
     result.rows = [
         ("first open of an old `.idx` cache dir (import, once)", f"{raw['import_s']:.2f} s", ""),
-        ("`kvproxy serve` until `/health` answers", f"{raw['health_s']:.2f} s", "< 2 s"),
+        (
+            "`kvproxy serve` until `/health` answers (on an empty cache dir)",
+            f"{raw['health_s']:.2f} s ({raw['health_empty_s']:.2f} s)",
+            "< 2 s",
+        ),
         ("`kvproxy serve` until the cache is open and on", f"{raw['ready_s']:.2f} s", ""),
         (
             "proxy RSS (per entry, against an empty cache dir)",
@@ -304,12 +328,18 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
             "< 5 ms",
         ),
         (
-            "every restore: file check + use recorded (median / p95)",
+            "  of which the files alone (rename, fsync state and directory)",
+            _ms(raw["save_files_ms"] / 1000),
+            "",
+        ),
+        (
+            "every restore: the file check before the server's call (median / p95)",
             f"{_ms(raw['restore_ms'] / 1000)} / {_ms(raw['restore_p95_ms'] / 1000)}",
             "< 2 ms",
         ),
+        ("  then, in the background: the use recorded", _ms(raw["touch_ms"] / 1000), ""),
         (
-            "  checksum of a 4 KiB state (beside the server's read)",
+            "  and beside the server's read: checksum of a 4 KiB state",
             _ms(raw["checksum_ms"] / 1000),
             "",
         ),
