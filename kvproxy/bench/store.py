@@ -301,11 +301,15 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
         _cli, "rm", picks[1].key[:12], "--cache-dir", str(root)
     )
     assert "removed 1 entry" in out, out
+    counted = Store(root, 0, 0)
+    counted.open_readonly()
+    budget = str(counted.summary.bytes - gc_n * STATE)  # exactly gc_n over it
+    counted.close()
     raw["gc_dry_s"], out = await asyncio.to_thread(
-        _cli, "gc", "--dry-run", "--max-disk", str(total - gc_n * STATE), "--cache-dir", str(root)
+        _cli, "gc", "--dry-run", "--max-disk", budget, "--cache-dir", str(root)
     )
     raw["gc_s"], out = await asyncio.to_thread(
-        _cli, "gc", "--max-disk", str(total - gc_n * STATE), "--cache-dir", str(root)
+        _cli, "gc", "--max-disk", budget, "--cache-dir", str(root)
     )
     raw["gc_evicted"] = float(out.split("evicted ", 1)[1].split(" ", 1)[0])
 
