@@ -64,7 +64,9 @@ def committed(cache: Path) -> set[str]:
 Maker = Callable[..., Coroutine[Any, Any, tuple[FakeLlamaServer, "RunningProxy"]]]
 
 
-async def start_proxy(upstream_url: str, cache_dir: Path, **overrides: Any) -> RunningProxy:
+async def start_proxy(
+    upstream_url: str, cache_dir: Path, wait: bool = True, **overrides: Any
+) -> RunningProxy:
     settings = Settings(
         upstream=upstream_url,
         cache_dir=cache_dir,
@@ -76,7 +78,8 @@ async def start_proxy(upstream_url: str, cache_dir: Path, **overrides: Any) -> R
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", settings.port).start()
     running = RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
-    await running.cache.started()  # the port binds first; tests start from an open cache
+    if wait:  # the port binds first; tests start from an open cache unless they say not to
+        await running.cache.started()
     return running
 
 
