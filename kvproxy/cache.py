@@ -141,7 +141,7 @@ class ConversationCache:
                 await self._housekeeper
         await self.background.wait()
         if not self.enabled or not self.store.ready:
-            self.store.close()
+            await asyncio.to_thread(self.store.close)
             return
         for slot in self.pool.slots:
             if self.work.worth_saving(slot):
@@ -153,7 +153,7 @@ class ConversationCache:
                     finally:
                         self.pool.release(got)
         await self.background.wait()
-        self.store.close()
+        await asyncio.to_thread(self.store.close)
 
     # --- housekeeping
 
