@@ -20,7 +20,6 @@ from .files import (
     SIDECAR_SUFFIXES,
     STATE_MAGIC,
     TMP_MARK,
-    Loaded,
     Scanned,
     StoreFiles,
 )
@@ -38,7 +37,6 @@ __all__ = [
     "Entry",
     "IndexDB",
     "Listing",
-    "Loaded",
     "Scanned",
     "Store",
     "StoreFiles",

@@ -61,10 +61,6 @@ class Scanned:
     problems: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) skipped
 
 
-# Kept for callers of the old name: what a load found.
-Loaded = Scanned
-
-
 class StoreFiles:
     """The cache dir's files: reads, commits and deletions, no index. Any thread may call
     these; keeping two operations on one key apart is the caller's job (see `Store`)."""
