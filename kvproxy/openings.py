@@ -69,6 +69,9 @@ class Openings:
         self.settings = settings
         self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
         self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
+        # The candidates `pick` just found, for `observe` on the same request: the index is a
+        # database on its own thread, and one round trip per request is enough.
+        self._picked: tuple[Conversation, list[tuple[Entry, int]]] | None = None
 
     # --- the model class's rule
 
@@ -95,6 +98,7 @@ class Openings:
         """The stored entry the server will reuse most for the request, by the model class's
         rule (not merely the longest key match), and the boundaries it shares."""
         found = await self.store.candidates_async(conv.keys, conv.namespace)
+        self._picked = (conv, found)
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
         i = pick_stored(self.rule(), len(conv.keys), views)
         return None if i is None else found[i]
@@ -104,7 +108,12 @@ class Openings:
     async def observe(self, conv: Conversation, pool: SlotPool) -> None:
         """Note the depth at which the request parts from the known conversation it shares
         most with, when it does not extend it."""
-        stored = await self.store.lookup_async(conv.keys, conv.namespace)
+        picked, self._picked = self._picked, None
+        if picked is not None and picked[0] is conv:
+            # candidates() puts the longest match first; there is none when it found nothing.
+            stored = picked[1][0] if picked[1] else None
+        else:
+            stored = await self.store.lookup_async(conv.keys, conv.namespace)
         best, extends = 0, False
         for slot in pool.holding_namespace(conv.namespace):
             held = slot.holding
