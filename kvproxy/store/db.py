@@ -365,14 +365,23 @@ class IndexDB:
     def insert_many(self, entries: Iterable[Entry]) -> int:
         """Import: one transaction for many rows; a key already indexed is kept as it is."""
         n = 0
+        prefixes: list[tuple[int, int, int, float, int]] = []
         with self._write():
             for entry in entries:
                 if self._get_for_delete(entry.key) is None:
-                    self._insert(entry)
+                    self._insert(entry, prefixes)
                     n += 1
+            # In key order: random inserts into a big prefix table would each touch another
+            # page; sorted, a batch fills pages in turn (an import of 100k entries is 2M rows).
+            prefixes.sort()
+            self.conn.executemany("INSERT OR IGNORE INTO prefixes VALUES (?, ?, ?, ?, ?)", prefixes)
         return n
 
-    def _insert(self, entry: Entry) -> Entry:
+    def _insert(
+        self, entry: Entry, later: list[tuple[int, int, int, float, int]] | None = None
+    ) -> Entry:
+        """Insert the row and its prefix rows (or add those to `later`, for the caller to
+        insert in key order)."""
         ns = self._ns_id(entry.namespace, create=True)
         cur = self.conn.execute(
             "INSERT INTO entries(key, ns, n_tokens, state_bytes, msgs_bytes, n_messages, "
@@ -395,10 +404,11 @@ class IndexDB:
         )
         eid = int(cur.lastrowid or 0)
         chain = entry.chain or [entry.key]
-        self.conn.executemany(
-            "INSERT OR IGNORE INTO prefixes VALUES (?, ?, ?, ?, ?)",
-            [(ns, pkey(k), len(chain), -entry.last_used, eid) for k in chain],
-        )
+        rows = [(ns, pkey(k), len(chain), -entry.last_used, eid) for k in chain]
+        if later is not None:
+            later += rows
+        else:
+            self.conn.executemany("INSERT OR IGNORE INTO prefixes VALUES (?, ?, ?, ?, ?)", rows)
         return replace(entry, row_id=eid, messages=None)
 
     def _get_for_delete(self, key: str) -> Entry | None:

@@ -221,8 +221,6 @@ class Store:
         return await self._serial((key,), run)
 
     async def _commit_steps(self, entry: Entry, temp: str) -> Entry:
-        if not await asyncio.to_thread((self.root / temp).exists):
-            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
         old = await self._db(lambda db: db.delete(entry.key))  # the commit marker goes first
         committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
         if committed is None:  # nothing changed on disk: the old entry is still good
