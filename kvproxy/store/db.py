@@ -383,6 +383,7 @@ class IndexDB:
         """Insert the row and its prefix rows (or add those to `later`, for the caller to
         insert in key order)."""
         ns = self._ns_id(entry.namespace, create=True)
+        assert ns is not None  # created if missing
         cur = self.conn.execute(
             "INSERT INTO entries(key, ns, n_tokens, state_bytes, msgs_bytes, n_messages, "
             "created, last_used, hits, checksum, sidecars, chain) "
