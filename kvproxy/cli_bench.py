@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--entries", type=int, help="N (default 10,000)")
     p.add_argument("--workdir", type=Path, default=None, help="the synthetic cache (temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
-    p.set_defaults(func=run_store)
+    p.set_defaults(func=run)
 
     p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
     _common(p)
@@ -77,12 +77,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "store":  # needs no model or llama-server: not bench.command's run
+        from .bench.store import main
+
+        return main(args)
     from .bench.command import run as run_bench  # the benchmarks load here, and only here
 
     return run_bench(args)
-
-
-def run_store(args: argparse.Namespace) -> int:
-    from .bench.store import main  # needs no model or llama-server: not bench.command's run
-
-    return main(args)
