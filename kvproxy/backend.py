@@ -109,6 +109,7 @@ class Backend:
             self.model_info = await asyncio.to_thread(
                 read_model_info, str(props.get("model_path") or "")
             )
+        self.pool.seen_empty(slots)
         if not self.enabled:
             info = self.model_info
             log.info(

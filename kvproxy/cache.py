@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .backend import Backend
-from .canonical import EchoStyles
 from .config import Settings
 from .conversations import Conversations
 from .events import Events
+from .habits import Habits
 from .leases import Background
 from .policy import RestoreGuard, due_for_idle_save
 from .slots import QueueFull, SlotPool
@@ -41,11 +41,11 @@ class ConversationCache:
         self.events = events
         self.backend = Backend(upstream, settings)
         self.store = Store(Path(settings.cache_dir), settings.ttl, int(settings.max_disk))
-        self.echo = EchoStyles()
+        self.habits = Habits()
         self.guard = RestoreGuard()
         self.background = Background()
         self.work = SlotWork(
-            self.backend, self.store, settings, events, self.echo, self.guard, self.background
+            self.backend, self.store, settings, events, self.habits, self.guard, self.background
         )
         self.unkeyed = Unkeyed(self.backend, self.work, events, self.background)
         self.conversations = Conversations(
@@ -54,7 +54,7 @@ class ConversationCache:
             self.store,
             self.work,
             events,
-            self.echo,
+            self.habits,
             self.guard,
             self.background,
             self.unkeyed,

@@ -20,11 +20,11 @@ from aiohttp import web
 
 from . import jsonbody, keys
 from .backend import Backend
-from .canonical import EchoStyles
 from .config import Settings
 from .errors import error_response
 from .events import Count, Events, RequestEvent
 from .explain import explain_against, explain_miss
+from .habits import Habits, worth_comparing
 from .leases import Background, Lease
 from .openings import Openings
 from .policy import (
@@ -83,7 +83,7 @@ class Conversations:
         store: Store,
         work: SlotWork,
         events: Events,
-        echo: EchoStyles,
+        habits: Habits,
         guard: RestoreGuard,
         background: Background,
         unkeyed: Unkeyed,
@@ -95,7 +95,7 @@ class Conversations:
         self.store = store
         self.work = work
         self.events = events
-        self.echo = echo
+        self.habits = habits
         self.guard = guard
         self.background = background
         self.openings = Openings(backend, store, work, settings)
@@ -145,7 +145,13 @@ class Conversations:
         times = (started, time.perf_counter() - started)  # (start, queue wait)
         lease = Lease(self.pool, [slot], self.background)
         try:
-            prepared = await lease.guarded(self._prepare_or_miss(slot, conv))
+            try:
+                prepared = await lease.guarded(self._prepare_or_miss(slot, conv))
+            except UpstreamError as exc:
+                # The slot may hold another tenant's tokens and could not be erased.
+                return error_response(
+                    502, f"llama-server is unreachable: {exc}", "upstream_unreachable"
+                )
             capture = adapter.capture(conv)
             try:
                 result = await relay(
@@ -226,23 +232,24 @@ class Conversations:
         try:
             return await self.prepare(slot, conv)
         except UpstreamError as exc:
-            # The cache could not do its part; the request still goes through, uncached.
+            # The cache could not do its part; the request still goes through, uncached, once
+            # the slot holds nothing of another tenant's (else the UpstreamError is the answer).
             log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
             slot.forget()
+            await self.work.admit(slot, conv.tenant)
             return MISS
 
     async def prepare(self, slot: Slot, conv: Conversation) -> Prepared:
         """Get the conversation's state into the slot, as far as kvproxy can."""
-        if slot.holding is not None and slot.shared_depth(conv.keys, conv.namespace) >= len(
-            slot.holding.messages
-        ):
-            self.echo.learn(conv.namespace, slot.holding.messages, conv.messages)
+        learnt = self._learn_habits(slot, conv)
         if slot.holding is not None and not self.pool.still_as_seen(slot, SNAPSHOT_TRUST):
             await self.work.verify(slot)
         # What the slot holds counts only if the server can serve the request from it.
         resident = self.openings.resident_depth(slot, conv)
         found = await self._lookup(conv) if self.backend.disk_enabled else None
-        await self.openings.observe(conv, self.pool)
+        if not learnt:
+            # A rewrite is a habit of the client, not a branch whose opening is worth keeping.
+            await self.openings.observe(conv, self.pool)
         move = choose(resident, found[1] if found else None, self.guard.allows(conv.namespace))
         if move is Move.RESTORE:
             assert found is not None
@@ -251,11 +258,12 @@ class Conversations:
             if self.work.worth_saving(slot, conv.keys):
                 await self.work.save(slot)
             await self.openings.before_reassign(slot, conv)
+            await self.work.admit(slot, conv.tenant)
             outcome = await self.work.restore(slot, entry)
             if outcome is None:
                 return MISS
-            if not self.echo.known(conv.namespace):
-                self.background.spawn(self._learn_echo_from_disk(entry, conv))
+            if not self.habits.echo.known(conv.namespace):
+                self.background.spawn(self._learn_from_disk(entry, found[1], conv))
             n = outcome.n_restored
             return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n)
         if move is Move.USE_RESIDENT:
@@ -283,6 +291,7 @@ class Conversations:
         if slot.holding is not None and await self.openings.wanted(slot.holding):
             await self.work.verify(slot)
             await self.openings.before_reassign(slot, conv)
+        await self.work.admit(slot, conv.tenant)
         await self.openings.prefill(slot, conv)
         return MISS
 
@@ -296,11 +305,32 @@ class Conversations:
             found = await self.openings.pick(conv)
         return found
 
-    async def _learn_echo_from_disk(self, entry: Entry, conv: Conversation) -> None:
+    def _learn_habits(self, slot: Slot, conv: Conversation) -> bool:
+        """Learn how the client echoes and rewrites (habits.py) from the conversation the slot
+        holds, else, in the background, from the stored one the request shares most with.
+        True when the slot's conversation showed a rewrite."""
+        held = slot.holding
+        if held is not None and held.messages and held.namespace == conv.namespace:
+            shared = slot.shared_depth(conv.keys, conv.namespace)
+            if shared >= len(held.messages) or worth_comparing(
+                len(held.messages), len(conv.messages), shared
+            ):
+                return self.habits.learn(conv.namespace, held.messages, conv.messages, shared)
+        stored = self.store.lookup(conv.keys, conv.namespace) if self.backend.disk_enabled else None
+        if stored is not None:
+            entry, shared = stored
+            if worth_comparing(entry.n_messages, len(conv.messages), shared):
+                self.background.spawn(self._learn_from_disk(entry, shared, conv))
+        return False
+
+    async def _learn_from_disk(self, entry: Entry, shared: int, conv: Conversation) -> None:
+        if not 0 < shared <= min(len(entry.chain), len(conv.keys)):
+            return
+        if entry.chain[shared - 1] != conv.keys[shared - 1]:
+            return
         messages = await asyncio.to_thread(self.store.read_messages, entry.key)
-        n = len(messages or [])
-        if messages and len(conv.keys) >= n and conv.keys[n - 1] == entry.key:
-            self.echo.learn(conv.namespace, messages, conv.messages)
+        if messages and len(messages) == len(entry.chain):
+            self.habits.learn(conv.namespace, messages, conv.messages, shared)
 
     def _why_weak(self, prepared: Prepared, conv: Conversation, slot: Slot) -> str:
         """Why a resident or restored request reused less than half of what it expected.

@@ -46,6 +46,13 @@ class Holding:
         return self.chain[-1]
 
 
+# A slot's occupant when kvproxy cannot tell whose tokens it holds (a server that ran before
+# this proxy started may hold any tenant's), and when the server showed it empty. Tenants are
+# hashes (keys.tenant_of) or None.
+ANYONE = "anyone"
+NOBODY = "nobody"
+
+
 @dataclass
 class Slot:
     id: int
@@ -61,6 +68,9 @@ class Slot:
     # When kvproxy last gave the slot work: a server with idle-slot wiping may wipe every
     # other idle slot then.
     started_at: float = 0.0
+    # The tenant whose tokens the server's slot may hold, whatever kvproxy knows of them
+    # (`forget` keeps it): another tenant's request may only run there once it is erased.
+    occupant: str | None = ANYONE
 
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int:
         holding = self.holding
@@ -152,6 +162,16 @@ class SlotPool:
     def forget_all(self) -> None:
         for slot in self.slots:
             slot.forget()
+
+    def seen_empty(self, infos: Sequence[SlotInfo]) -> None:
+        """Idle slots GET /slots shows holding no tokens belong to no tenant. Only an explicit
+        0 says so: the server leaves `n_prompt_tokens` out until a task has run on the slot
+        (server-context.cpp `to_json`), and a restore before any task fills it unseen."""
+        for info in infos:
+            if 0 <= info.id < len(self.slots) and info.n_prompt_tokens == 0:
+                slot = self.slots[info.id]
+                if not slot.busy and not info.is_processing:
+                    slot.occupant = NOBODY
 
     def idle(self) -> list[Slot]:
         return [s for s in self.slots if not s.busy]

@@ -12,15 +12,15 @@ import logging
 import time
 from dataclasses import dataclass
 
-from . import canonical
+from . import canonical, keys
 from .backend import Backend
-from .canonical import EchoStyles
 from .config import Settings
 from .events import Count, Events, SlotActionEvent
+from .habits import Habits
 from .leases import Background
 from .llama import Restored
 from .policy import RestoreGuard, worth_saving
-from .slots import Holding, Slot
+from .slots import NOBODY, Holding, Slot
 from .store import Entry, Store
 from .upstream import UpstreamError
 
@@ -44,7 +44,7 @@ class SlotWork:
         store: Store,
         settings: Settings,
         events: Events,
-        echo: EchoStyles,
+        habits: Habits,
         guard: RestoreGuard,
         background: Background,
     ) -> None:
@@ -53,7 +53,7 @@ class SlotWork:
         self.store = store
         self.settings = settings
         self.events = events
-        self.echo = echo
+        self.habits = habits
         self.guard = guard
         self.background = background
         self._disk_error_logged = False
@@ -170,9 +170,13 @@ class SlotWork:
         holding = slot.holding
         assert holding is not None
         started = time.perf_counter()
+        ns = holding.namespace
+        # As the client will send it next (habits.py): a client that rewrites earlier
+        # messages gets a state its next request extends exactly.
+        messages = self.habits.next_messages(ns, holding.messages)
         try:
             tokens = await canonical.prefix_tokens(
-                self.client, holding.template, holding.messages, self.echo.get(holding.namespace)
+                self.client, holding.template, messages, self.habits.echo.get(ns)
             )
         except (UpstreamError, ValueError) as exc:
             log.debug("no canonical prefix for %s: %s", holding.key[:12], exc)
@@ -186,6 +190,10 @@ class SlotWork:
             log.warning("evaluating the canonical prefix on slot %d failed: %s", slot.id, exc)
             await self.verify(slot)  # forgets the holding if the slot changed after all
             return
+        if messages != holding.messages:
+            chain = keys.chain(ns, messages)
+            rewritten = Holding(ns, chain, len(tokens), len(messages), messages, holding.template)
+            slot.hold(rewritten, saved=False)
         await self.snapshot(slot)
         slot.mark_canonical()
         log.debug(
@@ -251,6 +259,19 @@ class SlotWork:
             return RestoreOutcome(n, seconds * 1000)
         finally:
             self.store.unpin(entry.key)
+
+    async def admit(self, slot: Slot, tenant: str | None) -> None:
+        """Before `tenant`'s request runs on the slot (whatever was worth keeping is saved by
+        now): if it may hold another tenant's tokens, erase it. The server reuses any common
+        prefix of what a slot holds, and `timings.cache_n` would tell the newcomer that the
+        other tenant sent the same text. Raises UpstreamError when the erase fails: the
+        request must not go."""
+        if slot.occupant in (tenant, NOBODY):
+            slot.occupant = tenant
+            return
+        await self.client.erase(slot.id)
+        slot.forget()
+        slot.occupant = tenant
 
     # --- the budget
 

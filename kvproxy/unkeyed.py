@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from . import jsonbody
+from . import jsonbody, keys
 from .backend import REFUSED_STATUSES, Backend
 from .errors import error_response
 from .events import Events, RequestEvent
@@ -69,6 +69,8 @@ class Unkeyed:
         try:
             await lease.guarded(self._clear_for_foreign_use(slot))
             slot.forget()
+            if not await lease.guarded(self._admit([slot], request)):
+                return unreachable_response()
             body = orjson.dumps({**payload, "id_slot": slot.id})
             return (await self.relay_bypass(request, path_qs, body)).response
         finally:
@@ -99,6 +101,12 @@ class Unkeyed:
         try:
             for slot in taken:
                 await lease.guarded(self._clear_for_foreign_use(slot))
+            # The server picks among these slots by what they hold: none may hold another
+            # tenant's tokens.
+            if not await lease.guarded(self._admit(taken, request)):
+                for slot in taken:
+                    slot.forget()
+                return unreachable_response()
             try:
                 result = await self.relay_bypass(request, path_qs, body)
             except BaseException:
@@ -116,6 +124,18 @@ class Unkeyed:
                 await self.work.verify(slot)
             except UpstreamError:
                 slot.forget()
+
+    async def _admit(self, slots: list[Slot], request: web.Request) -> bool:
+        """Erase those of `slots` that may hold another tenant's tokens; False if one could
+        not be erased (the request must not go)."""
+        tenant = keys.tenant_of(request.headers, self.work.settings.tenant_header)
+        try:
+            for slot in slots:
+                await self.work.admit(slot, tenant)
+        except UpstreamError as exc:
+            log.warning("could not erase a slot before another tenant's request: %s", exc)
+            return False
+        return True
 
     async def _clear_for_foreign_use(self, slot: Slot) -> None:
         """Before a request the cache does not key uses the slot: keep what would be lost."""
@@ -142,6 +162,10 @@ class Unkeyed:
             RequestEvent(request.path, Decision.BYPASS, result.status, duration_s=duration)
         )
         return result
+
+
+def unreachable_response() -> web.Response:
+    return error_response(502, "llama-server is unreachable", "upstream_unreachable")
 
 
 def busy_response(exc: QueueFull) -> web.Response:

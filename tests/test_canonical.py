@@ -193,7 +193,9 @@ async def test_a_verbatim_client_gets_the_whole_reply_once_seen(make: Maker) -> 
     assert before["prompt_n"] > new_turn_bound() + 40, before
     after = await returning_turn(20)  # seen verbatim (turn 2 of conversation 10 was resident)
     assert after["prompt_n"] <= new_turn_bound(), after
-    assert proxy.cache.echo._styles == {next(iter(proxy.cache.echo._styles)): "verbatim"}
+    assert proxy.cache.habits.echo._styles == {
+        next(iter(proxy.cache.habits.echo._styles)): "verbatim"
+    }
 
 
 def test_observe_echo() -> None:

@@ -97,14 +97,17 @@ class Client:
             return await resp.json()
 
     async def prompt_tokens(
-        self, base: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        base: str,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template: Any,
     ) -> list[int]:
-        """The tokens the server evaluates for `messages`: the chat template rendered by the
-        server, tokenised with `add_special` as the server tokenises prompts (BOS included)."""
-        rendered = await self.post_json(
-            base + "/apply-template",
-            {"messages": messages, "add_generation_prompt": add_generation_prompt},
-        )
+        """The tokens the server evaluates for `messages` (and the request fields the template
+        reads, `template`: tools…): the chat template rendered by the server, tokenised with
+        `add_special` as the server tokenises prompts (BOS included)."""
+        body = {**template, "messages": messages, "add_generation_prompt": add_generation_prompt}
+        rendered = await self.post_json(base + "/apply-template", body)
         tokens = await self.post_json(
             base + "/tokenize", {"content": rendered["prompt"], "add_special": True}
         )

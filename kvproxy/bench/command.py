@@ -1,5 +1,5 @@
-"""`kvproxy bench SCENARIO`: workload, restore, overhead, load, or all of them. The flags are
-defined in kvproxy/cli_bench.py (parsing them imports nothing from here); `run` gets them.
+"""`kvproxy bench SCENARIO`: workload, restore, overhead, load, agents (not in `all`). The flags
+are defined in kvproxy/cli_bench.py (parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import load, overhead, restore, targets, workload
+from . import agents, load, overhead, restore, targets, workload
 from .arms import ALL_ARMS, BenchEnv
 from .report import header, header_lines, progress, write_json
 
@@ -104,6 +104,22 @@ async def _run(args: argparse.Namespace) -> int:
                 res = await overhead.run_overhead(env, oopts)
                 text = overhead.markdown(res)
                 checks += targets.overhead_checks(res)
+            elif name == "chaos":
+                from . import chaos
+
+                flags = ("seed", "requests", "faults", "duration", "clients", "tenants")
+                copts = chaos.ChaosOptions(**_given(args, *flags, "conversations"))
+                res = await chaos.run_chaos(env, copts)
+                text = chaos.markdown(res)
+                checks += chaos.checks(res)
+            elif name == "agents":
+                aopts = agents.options(_given(args, "max_output", "ctx_per_slot"), args.clients)
+                aopts.install = args.install
+                if args.arms is not None:
+                    aopts.arms = _arms(args.arms)
+                res = await agents.run_agents(env, aopts)
+                text = agents.markdown(res)
+                checks += agents.checks(res)
             else:
                 lopts = load.LoadOptions()
                 if args.scenario == "load":
@@ -128,7 +144,8 @@ async def _run(args: argparse.Namespace) -> int:
             await asyncio.to_thread(shutil.rmtree, workdir, True)
         else:
             progress(f"work dir kept: {workdir}")
-    return 0
+    # chaos proves promises: any broken one is a failed command.
+    return 1 if args.scenario == "chaos" and any(c.met is False for c in checks) else 0
 
 
 def write_outputs(out: Path, head: dict[str, Any], results: dict[str, Any]) -> None:

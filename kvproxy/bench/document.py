@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import load, overhead, restore, targets, workload
+from . import agents, load, overhead, restore, targets, workload
 from .report import header_lines
 
 INTRO = """\
@@ -127,6 +127,9 @@ def document(head: dict[str, Any], results: dict[str, Any], images: dict[str, st
         r = results["load"]
         parts.append(LOAD_METHOD + "\n" + load.markdown(r))
         checks += targets.load_checks(r)
+    if "agents" in results:
+        parts.append(agents.METHOD + "\n" + agents.markdown(results["agents"]))
+        checks += agents.checks(results["agents"])
     parts.append("## Targets (issue #5)\n\n" + targets.checks_markdown(checks))
     parts.append("## Summary\n\n" + targets.summary_table(results))
     return "\n\n".join(parts) + "\n"

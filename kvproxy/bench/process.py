@@ -32,6 +32,15 @@ class LoggedProcess:
         """The exit code once it has ended, else None."""
         return self.process.returncode if self.process is not None else None
 
+    async def kill(self) -> None:
+        """SIGKILL to its whole session, as a crash would: nothing gets to clean up."""
+        proc = self.process
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        await self.stop(grace=0)
+
     async def stop(self, grace: float) -> None:
         """SIGTERM (kvproxy's graceful path: slots saved), SIGKILL after `grace` seconds."""
         proc = self.process

@@ -24,6 +24,7 @@ class Conversation:
     keys: list[str]  # keys[i] covers messages[:i+1]
     messages: list[Any]
     template: dict[str, Any]  # request fields the chat template reads besides the messages
+    tenant: str | None = None  # keys.tenant_of the request: who may share its slot's tokens
 
 
 @dataclass(frozen=True)
@@ -122,4 +123,5 @@ def keyed(
         chain = keys.chain(ns, messages)
     except keys.UnkeyableRequest as exc:
         return NotKeyed(str(exc))
-    return Conversation(payload, ns, chain, messages, canonical.template_fields(rendered))
+    template = canonical.template_fields(rendered)
+    return Conversation(payload, ns, chain, messages, template, tenant)
