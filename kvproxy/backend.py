@@ -55,6 +55,9 @@ class Backend:
         self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
         self.enabled = False  # slot pinning works (GET /slots answered)
         self.disk_enabled = True  # slot save/restore works (--slot-save-path set)
+        # The cache dir is open (the cache sets it false while it opens): until then nothing
+        # discovers the server, so requests pass through uncached.
+        self.store_open = True
         self.model_identity = ""
         self.model_info: ModelInfo | None = None
         self._last_props_check = 0.0
@@ -73,6 +76,8 @@ class Backend:
 
     async def rediscover_if_off(self) -> None:
         """Called per request while caching is off: a server that came up is used at once."""
+        if not self.store_open:
+            return
         if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
             try:
                 await self.discover()
@@ -80,6 +85,9 @@ class Backend:
                 pass
 
     async def discover(self) -> None:
+        # Every attempt counts as the check, failed ones too: housekeeping's 15 s work (the
+        # props check, noticing removals) must not run every second while the server is down.
+        self._last_props_check = time.monotonic()
         props = await self.client.props()
         identity = await asyncio.to_thread(model_identity, props)
         try:

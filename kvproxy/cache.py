@@ -70,6 +70,7 @@ class ConversationCache:
             self.warmer,
         )
         self._housekeeper: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
 
     # --- what the scrape and the stats read
 
@@ -86,7 +87,8 @@ class ConversationCache:
         return self.backend.disk_enabled
 
     def disk_usage(self) -> tuple[int, int, int]:
-        return len(self.store.entries), self.store.total_bytes, self.store.max_bytes
+        summary = self.store.summary  # kept by the store's queries: no database read here
+        return summary.entries, summary.bytes, self.store.max_bytes
 
     def state(self) -> dict[str, Any]:
         """What the cache holds now (`/kvproxy/stats` adds the counters)."""
@@ -94,6 +96,7 @@ class ConversationCache:
         return {
             "enabled": self.enabled,
             "disk_enabled": self.disk_enabled,
+            "cache_open": self.store.ready,
             "model_class": self.backend.model_class,
             "entries": entries,
             "disk_bytes": used,
@@ -114,14 +117,37 @@ class ConversationCache:
     # --- life cycle
 
     async def start(self) -> None:
-        await self.store.open_async()
-        self.warmer.recall(self.store.entries.values())
+        """Start opening the cache dir and return: the proxy binds its port and serves
+        uncached (`backend.store_open` is false) while a large cache opens or imports."""
+        self.backend.store_open = False
+        self._started = asyncio.Event()
+        self._housekeeper = asyncio.create_task(self._open_then_housekeep(self._started))
+
+    async def _open_then_housekeep(self, started: asyncio.Event) -> None:
+        began = time.perf_counter()
+        try:
+            await self.store.open_async()
+        except Exception:
+            log.exception("cannot open the cache dir %s: requests pass through", self.store.root)
+            started.set()
+            return
+        log.info("cache dir open in %.2f s", time.perf_counter() - began)
+        window = self.settings.live_window
+        if window > 0:
+            self.warmer.recall(await self.store.used_since_async(time.time() - window))
+        self.backend.store_open = True
         try:
             await self.backend.discover()
         except UpstreamError as exc:
             log.warning("llama-server not ready (%s); will retry in the background", exc)
-        self._housekeeper = asyncio.create_task(self._housekeeping())
         self.warmer.enabled = True
+        started.set()
+        await self._housekeeping()
+
+    async def started(self) -> None:
+        """Wait until the cache dir is open and the server was looked for once (what
+        `start` did before it returned, when the port bound only after the load)."""
+        await self._started.wait()
 
     async def stop(self) -> None:
         self.warmer.enabled = False  # a save under way finishes; no new one starts
@@ -130,7 +156,8 @@ class ConversationCache:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeper
         await self.background.wait()
-        if not self.enabled:
+        if not self.enabled or not self.store.ready:
+            await asyncio.to_thread(self.store.close)
             return
         for slot in self.pool.slots:
             if self.work.worth_saving(slot):
@@ -141,6 +168,8 @@ class ConversationCache:
                         await self.work.save(got)
                     finally:
                         self.pool.release(got)
+        await self.background.wait()
+        await asyncio.to_thread(self.store.close)
 
     # --- housekeeping
 
@@ -151,6 +180,8 @@ class ConversationCache:
                 if self.backend.props_check_due():
                     await self.notice_removals()
                     await self.backend.discover()
+                else:
+                    await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
                 await self.work.evict()
                 if self.enabled:
                     self.warmer.kick()

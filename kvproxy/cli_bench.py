@@ -55,6 +55,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--turns", type=int)
     p.add_argument("--arms", help="comma-separated arms")
 
+    p = scenarios.add_parser("store", help="the disk index at N entries (no llama-server)")
+    p.add_argument("--entries", type=int, help="N (default 10,000)")
+    p.add_argument("--workdir", type=Path, default=None, help="the synthetic cache (temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.set_defaults(func=run)
+
     p = scenarios.add_parser("chaos", help="mixed load, SIGKILLs of kvproxy and the server, audit")
     _common(p)
     p.add_argument("--seed", type=int, help="seeds every random choice")
@@ -89,6 +95,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "store":  # needs no model or llama-server: not bench.command's run
+        from .bench.store import main
+
+        return main(args)
     from .bench.command import run as run_bench  # the benchmarks load here, and only here
 
     return run_bench(args)

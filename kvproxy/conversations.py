@@ -254,7 +254,7 @@ class Conversations:
         found = await self._lookup(conv) if self.backend.disk_enabled else None
         if not learnt:
             # A rewrite is a habit of the client, not a branch whose opening is worth keeping.
-            self.openings.observe(conv, self.pool)
+            await self.openings.observe(conv, self.pool)
         move = choose(resident, found[1] if found else None, self.guard.allows(conv.namespace))
         if move is Move.RESTORE:
             assert found is not None
@@ -273,7 +273,7 @@ class Conversations:
             return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n)
         if move is Move.USE_RESIDENT:
             held = slot.holding
-            if held is not None and resident < len(held.chain) and self.openings.wanted(held):
+            if held is not None and resident < len(held.chain) and await self.openings.wanted(held):
                 # A new session or a branch parts from the slot's conversation: keep that
                 # conversation, and leave the opening they share on disk and in the slot.
                 await self.work.verify(slot)
@@ -293,7 +293,7 @@ class Conversations:
             await self.work.verify(slot)
             if self.work.worth_saving(slot, conv.keys):
                 await self.work.save(slot)
-        if slot.holding is not None and self.openings.wanted(slot.holding):
+        if slot.holding is not None and await self.openings.wanted(slot.holding):
             await self.work.verify(slot)
             await self.openings.before_reassign(slot, conv)
         await self.work.admit(slot, conv.tenant)
@@ -302,12 +302,12 @@ class Conversations:
 
     async def _lookup(self, conv: Conversation) -> tuple[Entry, int] | None:
         # The entry the server will reuse most, by the model class's rule (openings.py).
-        found = self.openings.pick(conv)
+        found = await self.openings.pick(conv)
         # Housekeeping applies the TTL every second; an entry that expired since then is
         # not restored either (a full eviction pass costs O(entries) per request).
         if found is not None and self.store.expired(found[0]):
             await self.work.evict()
-            found = self.openings.pick(conv)
+            found = await self.openings.pick(conv)
         return found
 
     def _learn_habits(self, slot: Slot, conv: Conversation) -> bool:
@@ -321,12 +321,17 @@ class Conversations:
                 len(held.messages), len(conv.messages), shared
             ):
                 return self.habits.learn(conv.namespace, held.messages, conv.messages, shared)
-        stored = self.store.lookup(conv.keys, conv.namespace) if self.backend.disk_enabled else None
+        if self.backend.disk_enabled:
+            self.background.spawn(self._learn_from_stored(conv))
+        return False
+
+    async def _learn_from_stored(self, conv: Conversation) -> None:
+        # Off the request path: one more index query, and maybe a read of stored text.
+        stored = await self.store.lookup_async(conv.keys, conv.namespace)
         if stored is not None:
             entry, shared = stored
             if worth_comparing(entry.n_messages, len(conv.messages), shared):
-                self.background.spawn(self._learn_from_disk(entry, shared, conv))
-        return False
+                await self._learn_from_disk(entry, shared, conv)
 
     async def _learn_from_disk(self, entry: Entry, shared: int, conv: Conversation) -> None:
         if not 0 < shared <= min(len(entry.chain), len(conv.keys)):

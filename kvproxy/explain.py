@@ -157,7 +157,7 @@ async def explain_against(
         # Slots first: a conversation that keeps missing (a timestamp in its system prompt)
         # is usually still in one, and then no stored text needs reading for every miss.
         found = explain_miss(messages, candidates) if candidates else None
-        stored = store.recent_with_text(namespace) if found is None else []
+        stored = await store.recent_with_text_async(namespace) if found is None else []
         if stored:
             texts = await asyncio.to_thread(store.read_many_messages, stored)
             found = explain_miss(messages, [(f"disk {k[:12]}", m) for k, m in texts])

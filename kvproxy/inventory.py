@@ -1,17 +1,18 @@
 """`kvproxy ls|rm|gc|stats`: what the cache dir holds, and what a running proxy reports.
 
-`ls`, `rm` and `gc` work on the cache dir directly and are safe while a proxy uses it: they
-load the index read-only (no start-up sweep, which could delete a save in flight), and
-delete entries the way the proxy does, commit marker first. A proxy that later looks for a
-removed entry finds its state file gone and answers the request as a miss.
+`ls`, `rm` and `gc` work on the cache dir's index (`index.sqlite3`) directly and are safe
+while a proxy uses it: they never sweep (which could delete a save in flight), they query
+the index rather than load it (`ls --limit 20` reads 20 rows), and they delete entries the
+way the proxy does, row first. The proxy's next query no longer finds a removed entry, and
+a restore already under way finds its state file gone and answers the request as a miss.
 """
 
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -21,17 +22,10 @@ from .config import Settings, parse_duration
 from .display import Progress, entries_, human_age, human_bytes, table
 from .flags import add_settings_flags, settings_from_args
 from .statscmd import cmd_stats
-from .store import Entry, Store
+from .store import SORTS, Entry, Listing, Store
 
 MIN_PREFIX = 6
-SORTS: dict[str, tuple[Callable[[Entry], float], bool]] = {
-    # name: (key, descending): the default direction puts the most interesting first
-    "last-used": (lambda e: e.last_used, True),
-    "age": (lambda e: e.created, False),  # oldest first
-    "size": (lambda e: e.on_disk, True),
-    "tokens": (lambda e: e.n_tokens, True),
-    "hits": (lambda e: e.hits, True),
-}
+BATCH = 1000  # rows removed per transaction
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -100,16 +94,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
         unused = _duration(args.unused_for, "--unused-for")
     except ValueError as exc:
         return _fail(str(exc))
-    entries = [
-        e
-        for e in store.entries.values()
-        if e.on_disk >= min_size
-        and (older is None or now - e.created >= older)
-        and (unused is None or now - e.last_used >= unused)
-    ]
-    key, descending = SORTS[args.sort]
-    entries.sort(key=key, reverse=descending != args.reverse)
-    shown = entries[: args.limit] if args.limit is not None else entries
+    query = Listing(
+        sort=args.sort,
+        reverse=args.reverse,
+        limit=args.limit,
+        min_size=min_size,
+        created_before=now - older if older is not None else float("inf"),
+        used_before=now - unused if unused is not None else float("inf"),
+    )
+    shown, selected = store.listing(query)
+    # Only the rows shown are checked (a few lstats each): a damaged one is named, not listed.
+    damaged = [(e.key, why) for e in shown if (why := store.check_state_file(e)) is not None]
+    if damaged:
+        print(
+            f"{len(damaged)} damaged {entries_(len(damaged), counted=False)} not shown (a "
+            "restore drops them, as does `kvproxy rm`): "
+            + "; ".join(f"{k[:12]}: {why}" for k, why in damaged[:5]),
+            file=sys.stderr,
+        )
+        bad = {k for k, _ in damaged}
+        shown = [e for e in shown if e.key not in bad]
     if args.json:
         print(
             orjson.dumps([_entry_json(e, now) for e in shown], option=orjson.OPT_INDENT_2).decode()
@@ -129,11 +133,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     if rows:
         table(["KEY", "TOKENS", "SIZE", "AGE", "LAST USED", "HITS", "MSGS"], rows, {1, 2, 5, 6})
-    total = sum(e.on_disk for e in entries)
-    more = f" (showing {len(shown)})" if len(shown) < len(entries) else ""
+    more = f" (showing {len(shown)})" if len(shown) < selected.entries else ""
     print(
-        f"{entries_(len(entries))}{more}, {human_bytes(total)} in {settings.cache_dir} "
-        f"(all: {len(store.entries)}, {human_bytes(store.total_bytes)}; "
+        f"{entries_(selected.entries)}{more}, {human_bytes(selected.bytes)} in "
+        f"{settings.cache_dir} (all: {store.summary.entries}, {human_bytes(store.total_bytes)}; "
         f"budget {_budget(settings)}, ttl {human_age(settings.ttl) if settings.ttl else 'none'})"
     )
     return 0
@@ -167,7 +170,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if store is None:
         return code
     if args.all:
-        victims = list(store.entries.values())
+        victims = store.all_entries()
         damaged = [key for key, _ in store.problems]
     else:
         victims, damaged = [], []
@@ -181,14 +184,15 @@ def cmd_rm(args: argparse.Namespace) -> int:
         print(f"nothing to remove in {settings.cache_dir}")
         return 0
     with Progress("removing", len(victims)) as progress:
-        for entry in victims:
-            store.remove(entry.key)
-            if len(victims) <= 20:
-                print(
-                    f"removed {entry.key[:12]} ({entry.n_tokens:,} tokens, "
-                    f"{human_bytes(entry.on_disk)})"
-                )
-            progress.step()
+        # Rows in batches (one transaction each), then their files.
+        for i in range(0, len(victims), BATCH):
+            for entry in store.remove_many(victims[i : i + BATCH]):
+                if len(victims) <= 20:
+                    print(
+                        f"removed {entry.key[:12]} ({entry.n_tokens:,} tokens, "
+                        f"{human_bytes(entry.on_disk)})"
+                    )
+                progress.step()
     for key in damaged:
         store.remove_damaged(key)
     freed = sum(e.on_disk for e in victims)
@@ -202,7 +206,7 @@ def _match(store: Store, prefix: str) -> Entry | str:
     prefix = prefix.lower()
     if len(prefix) < MIN_PREFIX or any(c not in "0123456789abcdef" for c in prefix):
         return f"{prefix!r}: a key prefix is at least {MIN_PREFIX} hex characters (see kvproxy ls)"
-    matches = [e for k, e in store.entries.items() if k.startswith(prefix)]
+    matches = store.with_prefix(prefix)
     if not matches:
         return f"{prefix}: no entry with this key prefix in {store.root}"
     if len(matches) > 1:
@@ -220,13 +224,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if store is None:
         return code
     now = time.time()
-    before_n, before_bytes = len(store.entries), store.total_bytes
-    expired = {
-        e.key for e in store.entries.values() if store.ttl > 0 and now - e.last_used > store.ttl
-    }
-    victims = store.select_victims(now)
+    before_n, before_bytes = store.summary.entries, store.total_bytes
+    victims = store.select_victims(now, dry_run=args.dry_run)
     freed = sum(e.on_disk for e in victims)
-    by_ttl = sum(1 for e in victims if e.key in expired)
+    by_ttl = sum(1 for e in victims if store.expired(e, now))
     why = f"{by_ttl} unused for over {human_age(store.ttl)}, {len(victims) - by_ttl} over budget"
     if args.dry_run:
         for entry in victims[:20]:
@@ -242,12 +243,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         )
         return 0
     with Progress("evicting", len(victims)) as progress:
-        for entry in victims:
+        for entry in victims:  # their rows went in one transaction; now their files
             store.delete_files([entry])
             progress.step()
     print(
         f"evicted {len(victims)} of {before_n} entries ({why}), freed {human_bytes(freed)}; "
-        f"{entries_(len(store.entries))}, {human_bytes(store.total_bytes)} left "
+        f"{entries_(store.summary.entries)}, {human_bytes(store.total_bytes)} left "
         f"(budget {_budget(settings)})"
     )
     return 0
@@ -266,9 +267,9 @@ def _open(settings: Settings, quiet: bool = False) -> tuple[Store | None, int]:
         store.open_readonly()
     except FileNotFoundError:
         return None, _fail(f"no cache dir at {settings.cache_dir} (set --cache-dir)")
-    except OSError as exc:
+    except (OSError, sqlite3.Error) as exc:
         return None, _fail(f"cannot read {settings.cache_dir}: {exc}")
-    if store.problems and not quiet:
+    if store.problems and not quiet:  # records an import could not take
         print(
             f"skipped {len(store.problems)} damaged "
             f"{entries_(len(store.problems), counted=False)} (a starting proxy drops them): "

@@ -10,6 +10,7 @@ only the common prefix, so a collision can cost speed but never correctness.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,9 @@ import orjson
 import xxhash
 
 KEY_HEX_LEN = 32
+# A regex, not a loop over the characters: importing an old cache dir checks every chain key
+# of every record (millions at 100k entries).
+_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX_LEN}}}")
 
 # Request fields that change the rendered prompt (or how the template renders it).
 PROMPT_FIELDS = (
@@ -150,7 +154,7 @@ def header_bytes(value: str) -> bytes:
 
 
 def is_key(name: str) -> bool:
-    return len(name) == KEY_HEX_LEN and all(c in "0123456789abcdef" for c in name)
+    return _KEY.fullmatch(name) is not None
 
 
 def shared_prefix(a: Sequence[object], b: Sequence[object]) -> int:

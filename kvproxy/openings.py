@@ -69,6 +69,9 @@ class Openings:
         self.settings = settings
         self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
         self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
+        # The candidates `pick` just found, for `observe` on the same request: the index is a
+        # database on its own thread, and one round trip per request is enough.
+        self._picked: tuple[Conversation, list[tuple[Entry, int]]] | None = None
 
     # --- the model class's rule
 
@@ -91,20 +94,26 @@ class Openings:
             else 0
         )
 
-    def pick(self, conv: Conversation) -> tuple[Entry, int] | None:
+    async def pick(self, conv: Conversation) -> tuple[Entry, int] | None:
         """The stored entry the server will reuse most for the request, by the model class's
         rule (not merely the longest key match), and the boundaries it shares."""
-        found = self.store.candidates(conv.keys, conv.namespace)
+        found = await self.store.candidates_async(conv.keys, conv.namespace)
+        self._picked = (conv, found)
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
         i = pick_stored(self.rule(), len(conv.keys), views)
         return None if i is None else found[i]
 
     # --- which boundaries are openings
 
-    def observe(self, conv: Conversation, pool: SlotPool) -> None:
+    async def observe(self, conv: Conversation, pool: SlotPool) -> None:
         """Note the depth at which the request parts from the known conversation it shares
         most with, when it does not extend it."""
-        stored = self.store.lookup(conv.keys, conv.namespace)
+        picked, self._picked = self._picked, None
+        if picked is not None and picked[0] is conv:
+            # candidates() puts the longest match first; there is none when it found nothing.
+            stored = picked[1][0] if picked[1] else None
+        else:
+            stored = await self.store.lookup_async(conv.keys, conv.namespace)
         best, extends = 0, False
         for slot in pool.holding_namespace(conv.namespace):
             held = slot.holding
@@ -126,7 +135,7 @@ class Openings:
         while len(seen) > MAX_PER_NAMESPACE:
             del seen[next(iter(seen))]
 
-    def wanted(self, holding: Holding) -> int:
+    async def wanted(self, holding: Holding) -> int:
         """The deepest opening the holding passes through that has no entry yet (0: none)."""
         seen = self._seen.get(holding.namespace, {})
         depths = [
@@ -136,7 +145,7 @@ class Openings:
             depths.append(1)
         for depth in sorted(set(depths), reverse=True):
             key = holding.chain[depth - 1]
-            if key not in self.store.entries and key not in self._failed:
+            if key not in self._failed and not await self.store.contains_async(key):
                 return depth
         return 0
 
@@ -149,7 +158,7 @@ class Openings:
         held = slot.holding
         if held is None or not self.backend.disk_enabled:
             return
-        depth = self.wanted(held)
+        depth = await self.wanted(held)
         if depth == 0:
             return
         incoming = slot.shared_depth(conv.keys, conv.namespace)
@@ -172,7 +181,7 @@ class Openings:
         held = Holding(conv.namespace, list(conv.keys), 0, len(conv.messages), conv.messages)
         held.template = dict(conv.template)
         held.n_tokens = 1 << 62  # not known before the prompt is tokenised; no bound
-        depth = self.wanted(held)
+        depth = await self.wanted(held)
         if depth == 0:
             return
         await self.work.verify(slot)  # slot actions follow: the slot must be idle

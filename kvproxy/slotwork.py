@@ -282,7 +282,7 @@ class SlotWork:
     # --- the budget
 
     async def evict(self) -> None:
-        victims = self.store.select_victims()
+        victims = await self.store.select_victims_async()
         if victims:
             self.events.count(Count.EVICTION, len(victims))
             log.info("evicting %d cache entries", len(victims))

@@ -18,7 +18,6 @@ from .leases import Background
 from .pressure import IdleView, LiveConversations, next_background_save
 from .slots import Slot, SlotPool
 from .slotwork import SlotWork
-from .store import Entry
 from .upstream import UpstreamError
 
 log = logging.getLogger("kvproxy.cache")
@@ -45,12 +44,13 @@ class Warmer:
         self._failed: set[str] = set()
         pool.on_release = self.kick
 
-    def recall(self, entries: Iterable[Entry]) -> None:
-        """At start-up: the conversations on disk used within the live window are live."""
+    def recall(self, used: Iterable[tuple[str, float]]) -> None:
+        """At start-up: the conversations on disk used within the live window (key, last
+        used by the wall clock) are live."""
         if self.live.window <= 0:
             return
         wall, mono = time.time(), time.monotonic()
-        self.live.recall([(e.key, mono - (wall - e.last_used)) for e in entries], mono)
+        self.live.recall([(key, mono - (wall - last)) for key, last in used], mono)
 
     def seen(self, keys: list[str]) -> None:
         """A keyed request came; a conversation not live before may start the pressure."""

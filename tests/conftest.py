@@ -28,6 +28,7 @@ from kvproxy.managed import (
     server_command,
 )
 from kvproxy.proxy import SERVICE, build_app
+from kvproxy.store import IndexDB
 
 from .fakeserver import FakeLlamaServer
 from .ggufmodels import model_files
@@ -51,10 +52,21 @@ class RunningProxy:
         await self.runner.cleanup()
 
 
+def committed(cache: Path) -> set[str]:
+    """The keys the cache dir's index commits (read as another process would)."""
+    db = IndexDB(cache, create=False)
+    try:
+        return set(db.all_files())
+    finally:
+        db.close()
+
+
 Maker = Callable[..., Coroutine[Any, Any, tuple[FakeLlamaServer, "RunningProxy"]]]
 
 
-async def start_proxy(upstream_url: str, cache_dir: Path, **overrides: Any) -> RunningProxy:
+async def start_proxy(
+    upstream_url: str, cache_dir: Path, wait: bool = True, **overrides: Any
+) -> RunningProxy:
     settings = Settings(
         upstream=upstream_url,
         cache_dir=cache_dir,
@@ -65,7 +77,10 @@ async def start_proxy(upstream_url: str, cache_dir: Path, **overrides: Any) -> R
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", settings.port).start()
-    return RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
+    running = RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
+    if wait:  # the port binds first; tests start from an open cache unless they say not to
+        await running.cache.started()
+    return running
 
 
 @pytest.fixture

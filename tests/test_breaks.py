@@ -114,9 +114,9 @@ def test_fifo_index_record_neither_blocks_nor_loads(tmp_path: Path) -> None:
     from kvproxy.store.files import StoreFiles
 
     key = "ab" * 16
-    os.mkfifo(tmp_path / f"{key}.idx")
-    loaded = _finishes(lambda: StoreFiles(tmp_path).load(sweep=True), tmp_path / f"{key}.idx")
-    assert loaded.entries == [] and [k for k, _ in loaded.problems] == [key]
+    os.mkfifo(tmp_path / f"{key}.idx")  # an old-style record, read when importing
+    loaded = _finishes(lambda: StoreFiles(tmp_path).scan({}, sweep=True), tmp_path / f"{key}.idx")
+    assert loaded.imported == [] and [k for k, _ in loaded.problems] == [key]
     assert not (tmp_path / f"{key}.idx").exists()  # swept like any unreadable record
 
 

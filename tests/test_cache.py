@@ -11,6 +11,8 @@ import aiohttp
 import orjson
 import pytest
 
+from kvproxy.store import DB_NAME
+
 from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
 
@@ -162,7 +164,7 @@ async def test_a_state_damaged_on_disk_is_never_restored(make: Maker) -> None:
     # The check ran beside the server's restore; the slot was erased before the request went.
     assert [a[0] for a in fake.actions][-2:] == ["restore", "erase"]
     assert body["timings"]["cache_n"] == 0, "nothing of the damaged state served"
-    assert not kv.exists() and not (kv.parent / f"{entry.key}.idx").exists()
+    assert not kv.exists() and entry.key not in proxy.cache.store.entries
 
 
 async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> None:
@@ -181,7 +183,7 @@ async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> N
     status, body, h = await chat(proxy, then(conv(1), r[1]))
     assert status == 200 and h["X-KVProxy-Cache"] == "miss"
     assert body["choices"][0]["message"]["content"] == "Echo: next question"
-    assert not kv.exists() and not (kv.parent / f"{entry.key}.idx").exists()
+    assert not kv.exists() and entry.key not in proxy.cache.store.entries
     assert proxy.stats()["restore_failures"] == 1
 
 
@@ -218,7 +220,7 @@ async def test_checkpoint_sidecars_live_and_die_with_their_entry(make: Maker) ->
     assert first.key not in proxy.cache.store.entries
     assert not list(root.glob(f"{first.key}*"))
     assert 0 < proxy.cache.store.total_bytes <= budget
-    on_disk = sum(p.stat().st_size for p in root.iterdir() if not p.name.endswith(".idx"))
+    on_disk = sum(p.stat().st_size for p in root.iterdir() if not p.name.startswith(DB_NAME))
     assert on_disk == proxy.cache.store.total_bytes
 
 
@@ -267,8 +269,9 @@ async def test_proxy_restart_restores_from_disk(make: Maker, tmp_path: Path) -> 
     fake, proxy = await make()
     r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2)}
     await proxy.stop()  # graceful: both resident conversations are saved
-    assert len(list(fake.slot_save_path.glob("*.idx"))) == 2
+    assert len(list(fake.slot_save_path.glob("*.kv"))) == 2
     again = await start_proxy(fake.url, fake.slot_save_path)
+    assert len(again.cache.store.entries) == 2  # both rows were committed
     try:
         for slot in fake.slots:  # the server restarted too: its slots are empty
             slot.tokens.clear()

@@ -24,7 +24,8 @@ from kvproxy.bench.chaos_plan import (
 )
 from kvproxy.bench.chaos_wire import Stream, answer_of, route_body
 from kvproxy.store.entry import Entry
-from kvproxy.store.files import STATE_MAGIC, StoreFiles
+from kvproxy.store.files import STATE_MAGIC
+from kvproxy.store.index import Store
 
 
 def test_the_fault_plan_is_seeded_and_mixes_both_kinds() -> None:
@@ -80,10 +81,11 @@ def test_the_verdict_fails_on_any_broken_promise_and_on_checks_that_never_ran() 
 
 def _commit(root: Path, key: str, state: bytes) -> None:
     """As a save commits: the server's file under a temp name, then the store's commit."""
-    files = StoreFiles(root)
-    temp = files.temp_name(key)
+    store = Store(root, 0, 0)
+    temp = store.temp_name(key)
     (root / temp).write_bytes(state)
-    assert files.commit(Entry(key, "ns", 3, 0, 1, 0.0, 0.0, chain=[key]), temp) is not None
+    assert store.commit(Entry(key, "ns", 3, 0, 1, 0.0, 0.0, chain=[key]), temp) is not None
+    store.close()
 
 
 def test_the_audit_finds_damaged_entries_and_orphans(tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(["bench", "--help"], capsys)
-    for scenario in ("workload", "restore", "overhead", "load", "chaos", "all"):
+    for scenario in ("workload", "restore", "overhead", "load", "chaos", "store", "all"):
         assert scenario in text
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvproxy import keys
 from kvproxy.explain import MARK, excerpt, explain_miss
-from kvproxy.store import Entry, Store
+from kvproxy.store import DB_NAME, Entry, Store
 
 from .conftest import Maker, RunningProxy, start_proxy
 from .test_cache import chat, settle
@@ -200,7 +200,7 @@ def test_text_is_kept_beside_the_state(tmp_path: Path) -> None:
     msgs = tmp_path / f"{entry.key}.msgs"
     assert stat.S_IMODE(msgs.stat().st_mode) == 0o600
     assert entry.messages is None  # on disk, not in memory
-    assert b"m0" not in (tmp_path / f"{entry.key}.idx").read_bytes()
+    assert not [p for p in tmp_path.glob(DB_NAME + "*") if b"m0" in p.read_bytes()]  # nor index
     assert store.total_bytes == entry.state_bytes + msgs.stat().st_size
     assert store.read_many_messages(store.recent_with_text(NS)) == [(entry.key, messages)]
     assert store.recent_with_text(keys.namespace("m", {}, "another tenant")) == []
@@ -210,15 +210,15 @@ def test_text_is_kept_beside_the_state(tmp_path: Path) -> None:
     assert again.read_messages(entry.key) == messages
     assert again.total_bytes == store.total_bytes
     again.remove(entry.key)
-    assert list(tmp_path.iterdir()) == []
+    assert [p for p in tmp_path.iterdir() if not p.name.startswith(DB_NAME)] == []
 
 
 def test_older_index_records_and_stray_text_files(tmp_path: Path) -> None:
-    store = Store(tmp_path, ttl=0, max_bytes=0)
-    store.open()
-    entry = _commit(store, None)  # as before this feature: no text, no msgs_bytes field
-    idx = tmp_path / f"{entry.key}.idx"
-    record = orjson.loads(idx.read_bytes())
+    chain = keys.chain(NS, [{"role": "user", "content": "m0"}])
+    entry = Entry(chain[-1], NS, 10, 1000, 1, 1.0, 1.0, chain=chain)
+    (tmp_path / f"{entry.key}.kv").write_bytes(state_bytes(10))
+    idx = tmp_path / f"{entry.key}.idx"  # an .idx record from before this feature
+    record = orjson.loads(entry.to_json())
     del record["msgs_bytes"]
     record["added_by_a_newer_version"] = 1
     idx.write_bytes(orjson.dumps(record))

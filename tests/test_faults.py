@@ -15,10 +15,25 @@ import aiohttp
 import pytest
 
 from kvproxy.managed import free_port
+from kvproxy.store import DB_NAME, IndexDB
 
 from .conftest import Maker, start_proxy
 from .fakeserver import FakeLlamaServer
 from .test_cache import chat, conv, settle, then
+
+
+def rows(cache: Path) -> set[str]:
+    """The keys the index commits (what another process reading the database sees)."""
+    db = IndexDB(cache)
+    try:
+        return set(db.all_files())
+    finally:
+        db.close()
+
+
+def files(cache: Path) -> list[str]:
+    """The cache dir's files but the index's own."""
+    return sorted(p.name for p in cache.iterdir() if not p.name.startswith(DB_NAME))
 
 
 async def test_full_disk_commits_nothing_and_keeps_serving(
@@ -31,14 +46,15 @@ async def test_full_disk_commits_nothing_and_keeps_serving(
         assert status == 200 and body["choices"][0]["message"]["content"].startswith("Echo:")
     await settle(proxy)
     assert proxy.stats()["save_failures"] >= 3
-    assert list(fake.slot_save_path.iterdir()) == []  # partial files removed, nothing committed
+    assert files(fake.slot_save_path) == []  # partial files removed ...
+    assert rows(fake.slot_save_path) == set()  # ... nothing committed
     assert len([r for r in caplog.records if "save of slot" in r.getMessage()]) == 1
     fake.fail_saves = False  # space comes back: saving resumes
     await chat(proxy, conv(6))
     await settle(proxy)
     # The conversation 6 evicted, on its path, and 6 itself in the background (its slot went
     # idle under pressure); 5's save had failed, so only a request's eviction retries it.
-    assert len(list(fake.slot_save_path.glob("*.idx"))) == 2
+    assert len(rows(fake.slot_save_path)) == 2
 
 
 async def spawn_proxy(upstream: str, cache: Path, port: int) -> subprocess.Popen[bytes]:
@@ -66,8 +82,9 @@ async def spawn_proxy(upstream: str, cache: Path, port: int) -> subprocess.Popen
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             try:
-                async with s.get(f"http://127.0.0.1:{port}/health") as r:
-                    if r.status == 200:
+                # /health answers while the cache dir opens; caching is on once stats say so.
+                async with s.get(f"http://127.0.0.1:{port}/kvproxy/stats") as r:
+                    if r.status == 200 and (await r.json()).get("enabled"):
                         return proc
             except aiohttp.ClientError:
                 pass
@@ -99,10 +116,10 @@ async def test_proxy_killed_mid_operation(tmp_path: Path, phase: str) -> None:
             # conversations, 2 slots): all three committed before the restore starts.
             await chat(remote, conv(3))
             for _ in range(100):
-                if len(list(cache.glob("*.idx"))) == 3:
+                if len(rows(cache)) == 3:
                     break
                 await asyncio.sleep(0.02)
-            assert len(list(cache.glob("*.idx"))) == 3
+            assert len(rows(cache)) == 3
         fake.action_delay = 5.0 if phase != "stream" else 0.0
         victim = {
             "save": conv(3),  # evicts conversation 1: a save starts
@@ -126,15 +143,15 @@ async def test_proxy_killed_mid_operation(tmp_path: Path, phase: str) -> None:
             await task
         fake.action_delay = 0.0
         if phase == "save":
-            assert list(cache.glob("*.tmp")) and not list(cache.glob("*.idx"))
+            assert list(cache.glob("*.tmp")) and rows(cache) == set()
 
         again = await start_proxy(fake.url, cache)
         try:
-            names = sorted(p.name for p in cache.iterdir())
+            names = files(cache)
             assert not [n for n in names if ".tmp" in n]
             keys = {n.split(".")[0] for n in names}
             assert keys == set(again.cache.store.entries)  # the index matches the files
-            assert all((cache / f"{k}.idx").exists() and (cache / f"{k}.kv").exists() for k in keys)
+            assert all((cache / f"{k}.kv").exists() for k in keys)
             for c in (1, 2):
                 status, body, _ = await chat(again, then(conv(c), replies[c]))
                 assert (

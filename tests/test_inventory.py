@@ -14,7 +14,7 @@ from kvproxy import keys
 from kvproxy.cli import main
 from kvproxy.display import PROGRESS_MIN, human_age, human_bytes
 from kvproxy.managed import free_port
-from kvproxy.store import Entry, Store
+from kvproxy.store import DB_NAME, Entry, Store
 
 from .conftest import Maker, RunningProxy, start_proxy
 from .test_cache import actions, chat, conv, settle, then
@@ -50,7 +50,8 @@ def commit(store: Store, key: str, size: int = 1000, last_used: float | None = N
 
 
 def names(root: Path) -> set[str]:
-    return {p.name for p in root.iterdir()}
+    """The cache dir's files but the index's own."""
+    return {p.name for p in root.iterdir() if not p.name.startswith(DB_NAME)}
 
 
 async def test_ls_lists_what_the_proxy_saved(
@@ -73,7 +74,7 @@ async def test_ls_lists_what_the_proxy_saved(
     listed = orjson.loads(out)
     assert {e["key"] for e in listed} == set(entries)
     assert [e["bytes"] for e in listed] == sorted((e["bytes"] for e in listed), reverse=True)
-    on_disk = {p.name: p.stat().st_size for p in root.iterdir()}
+    on_disk = {p: (root / p).stat().st_size for p in names(root)}
     for e in listed:
         assert e["bytes"] == on_disk[f"{e['key']}.kv"] + on_disk[f"{e['key']}.msgs"]
         assert e["tokens"] == entries[e["key"]].n_tokens and e["hits"] == 0
@@ -146,11 +147,12 @@ def test_rm_by_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 1 and "no entry" in err
     # One bad key among good ones: nothing is removed.
     code, _, _ = run(capsys, "rm", "123456", "abcdef", "--cache-dir", str(tmp_path))
-    assert code == 1 and len(names(tmp_path)) == 9
+    assert code == 1 and len(names(tmp_path)) == 6
 
     code, out, _ = run(capsys, "rm", "ABCDEF0", "123456", "--cache-dir", str(tmp_path))
     assert code == 0 and f"removed {a.key[:12]}" in out and "removed 2 entries" in out
-    assert names(tmp_path) == {f"{b.key}.idx", f"{b.key}.kv", f"{b.key}.msgs"}
+    assert names(tmp_path) == {f"{b.key}.kv", f"{b.key}.msgs"}
+    assert list(store.entries) == [b.key]
     del c
 
 
@@ -164,15 +166,14 @@ async def test_rm_all_while_the_proxy_runs_gives_misses(
     [entry] = proxy.cache.store.entries.values()  # conversation 1, saved to make room
     code, out, _ = await asyncio.to_thread(run, capsys, "rm", "--all", "--cache-dir", str(root))
     assert code == 0 and "removed 1 entry," in out
-    assert not [p for p in root.iterdir() if p.suffix in (".idx", ".kv", ".msgs")]
-    # The proxy still has the entry in memory: it finds the state file gone, sends no
-    # restore, answers uncached, and forgets the entry.
-    assert entry.key in proxy.cache.store.entries
+    assert names(root) == set()
+    # The row is the proxy's index too: its next lookup finds nothing, sends no restore and
+    # answers uncached.
+    assert entry.key not in proxy.cache.store.entries
     status, body, h = await chat(proxy, then(conv(1), replies[1]))
     assert status == 200 and h["X-KVProxy-Cache"] == "miss"
     assert body["choices"][0]["message"]["content"] == "Echo: next question"
     assert actions(fake, "restore") == []
-    assert entry.key not in proxy.cache.store.entries
 
 
 def test_gc_applies_ttl_then_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,13 +189,14 @@ def test_gc_applies_ttl_then_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 0 and f"would evict {old.key[:12]}" in out
     assert "would evict 1 of 3 entries (1 unused for over 2h" not in out  # ttl is 1h
     assert "would evict 1 of 3 entries (1 unused for over 1h, 0 over budget)" in out
-    assert len(names(tmp_path)) == 9  # a dry run deletes nothing
+    assert len(names(tmp_path)) == 6 and len(store.entries) == 3  # a dry run deletes nothing
 
     code, out, _ = run(
         capsys, "gc", "--ttl", "1h", "--max-disk", str(size + 10), "--cache-dir", str(tmp_path)
     )
     assert code == 0 and "evicted 2 of 3 entries (1 unused for over 1h, 1 over budget)" in out
-    assert names(tmp_path) == {f"{new.key}.idx", f"{new.key}.kv", f"{new.key}.msgs"}
+    assert names(tmp_path) == {f"{new.key}.kv", f"{new.key}.msgs"}
+    assert list(store.entries) == [new.key]
     del mid
 
 
@@ -207,7 +209,7 @@ def test_gc_reports_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert code == 0 and f"evicted {PROGRESS_MIN + 5} of" in out
     assert f"evicting {PROGRESS_MIN + 5}/{PROGRESS_MIN + 5} (100%)" in err
     assert err.count("evicting ") >= 10
-    assert list(tmp_path.iterdir()) == []
+    assert names(tmp_path) == set() and len(store.entries) == 0
 
 
 async def test_stats_reads_a_running_proxy(make: Maker, capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,17 +256,33 @@ def test_human_units() -> None:
 def test_damaged_entries_are_shown_kept_by_ls_and_removed_by_rm_all(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # A cache dir of kvproxy before the SQLite index: one record's state file is damaged.
+    old = {}
+    for key, data in (("12" * 16, state_bytes(10)), ("ef" * 16, b"short")):
+        (tmp_path / f"{key}.kv").write_bytes(data)
+        old[key] = Entry(key, NS, 10, 1000, 2, 1.0, 1.0, chain=[key])
+        (tmp_path / f"{key}.idx").write_bytes(old[key].to_json())
+    code, out, err = run(capsys, "ls", "--cache-dir", str(tmp_path))
+    assert code == 0 and "12121212" in out and "efefefef" not in out
+    assert "skipped 1 damaged entry (a starting proxy drops them): efefefefefef: size" in err
+    assert (tmp_path / f"{'ef' * 16}.idx").exists()  # not imported, not deleted
+    code, out, _ = run(capsys, "rm", "--all", "--cache-dir", str(tmp_path))
+    assert code == 0 and "removed 1 entry and 1 damaged" in out
+    assert names(tmp_path) == set()
+
+    # A committed entry whose state file was damaged since: named by ls, not listed.
     store = Store(tmp_path, ttl=0, max_bytes=0)
     store.open()
     good, bad = commit(store, "ab" * 16), commit(store, "cd" * 16)
     (tmp_path / f"{bad.key}.kv").write_bytes(b"short")
     code, out, err = run(capsys, "ls", "--cache-dir", str(tmp_path))
     assert code == 0 and good.key[:12] in out and bad.key[:12] not in out
-    assert f"skipped 1 damaged entry (a starting proxy drops them): {bad.key[:12]}: size" in err
-    assert (tmp_path / f"{bad.key}.idx").exists()
-    code, out, _ = run(capsys, "rm", "--all", "--cache-dir", str(tmp_path))
-    assert code == 0 and "removed 1 entry and 1 damaged" in out
-    assert list(tmp_path.iterdir()) == []
+    assert "1 damaged entry not shown (a restore drops them, as does `kvproxy rm`): " in err
+    assert f"{bad.key[:12]}: size" in err
+    assert bad.key in store.entries  # ls changes nothing
+    code, out, err = run(capsys, "rm", "--all", "--cache-dir", str(tmp_path))
+    assert code == 0 and "removed 2 entries" in out
+    assert names(tmp_path) == set()
 
 
 async def test_a_running_proxy_notices_removals(
@@ -278,6 +296,6 @@ async def test_a_running_proxy_notices_removals(
     assert proxy.stats()["entries"] == 3  # 1 evicted; 2 and 3 saved in the background
     code, _, _ = await asyncio.to_thread(run, capsys, "rm", "--all", "--cache-dir", str(root))
     assert code == 0
-    await proxy.cache.notice_removals()  # what housekeeping does every 15 s
+    await proxy.cache.notice_removals()  # what housekeeping does every second
     stats = proxy.stats()
     assert stats["entries"] == 0 and stats["disk_bytes"] == 0

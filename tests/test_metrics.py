@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy.metrics import quantile
+from kvproxy.store import DB_NAME
 
 from .conftest import Maker, RunningProxy, start_proxy
 from .test_cache import actions, chat, conv, settle, then
@@ -106,7 +107,7 @@ async def test_metrics_match_what_happened(make: Maker) -> None:
     assert total(s_, "kvproxy_queue_wait_seconds_count") == 5
 
     store = proxy.cache.store
-    on_disk = sum(p.stat().st_size for p in store.root.iterdir() if p.suffix != ".idx")
+    on_disk = sum(p.stat().st_size for p in store.root.iterdir() if not p.name.startswith(DB_NAME))
     assert total(s_, "kvproxy_cache_entries") == len(store.entries) >= 1
     assert total(s_, "kvproxy_cache_bytes") == store.total_bytes == on_disk
     assert total(s_, "kvproxy_queue_depth") == 0

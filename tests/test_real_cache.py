@@ -13,7 +13,7 @@ import pytest
 
 from kvproxy.bench.conversations import first_turn
 
-from .conftest import RealServer, start_proxy, start_real_server
+from .conftest import RealServer, committed, start_proxy, start_real_server
 
 pytestmark = pytest.mark.real
 
@@ -76,7 +76,7 @@ async def test_four_conversations_through_two_slots(
         stats = proxy.stats()
         assert stats["restores"] == 4 and stats["restore_failures"] == 0
         # Every conversation that was pushed out of a slot is on disk, committed.
-        assert len(list(cache.glob("*.idx"))) == len(list(cache.glob("*.kv"))) >= 4
+        assert len(committed(cache)) == len(list(cache.glob("*.kv"))) >= 4
     finally:
         await proxy.stop()
 
@@ -105,7 +105,7 @@ async def test_restart_of_proxy_and_server(own_server: tuple[Path, list[RealServ
     turn1 = {c: (await chat(proxy.url, convs[c]))[0] for c in (1, 2, 3, 4)}
     await proxy.stop()  # graceful: the two resident conversations are saved
     servers[0].stop()
-    assert len(list(cache.glob("*.idx"))) == 4
+    assert len(committed(cache)) == 4
 
     servers.append(start_real_server(cache))
     proxy = await start_proxy(servers[1].url, cache, min_tokens=256)

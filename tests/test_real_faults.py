@@ -10,7 +10,7 @@ import pytest
 from kvproxy.bench.conversations import first_turn
 from kvproxy.managed import free_port
 
-from .conftest import start_proxy, start_real_server
+from .conftest import committed, start_proxy, start_real_server
 from .test_cache import settle
 from .test_real_cache import chat, next_turn, reuse
 
@@ -27,7 +27,7 @@ async def test_server_killed_mid_stream_then_restarted(tmp_path: Path) -> None:
         convo = first_turn(31, n_facts=20)
         reply1, _ = await chat(proxy.url, convo)
         await settle(proxy)
-        assert len(list(cache.glob("*.idx"))) == 1
+        assert len(committed(cache)) == 1
 
         received = b""
         async with aiohttp.ClientSession() as s:

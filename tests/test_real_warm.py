@@ -11,7 +11,7 @@ import pytest
 
 from kvproxy.bench.conversations import first_turn
 
-from .conftest import RealServer, RunningProxy, start_proxy
+from .conftest import RealServer, RunningProxy, committed, start_proxy
 from .test_real_cache import chat, next_turn
 
 pytestmark = pytest.mark.real
@@ -40,7 +40,7 @@ async def test_turn_two_after_pressure_does_no_save_on_its_path(real_server: Rea
         assert on_path == 1
         held = {s["id"]: s["key"] for s in stats["slots"]}
         # Both slots' conversations are committed on disk before turn 2 comes.
-        assert all((cache / f"{key}.idx").exists() for key in held.values())
+        assert set(held.values()) <= committed(cache)
 
         reply, headers = await chat(proxy.url, next_turn(convs[1], turn1[1], "And fact 5?"))
         assert headers["X-KVProxy-Cache"] == "restored", headers
@@ -50,6 +50,6 @@ async def test_turn_two_after_pressure_does_no_save_on_its_path(real_server: Rea
         # The request evicted a conversation already on disk: no save on its path.
         assert after["saves"] - after["background_saves"] == on_path
         evicted = next(key for i, key in held.items() if after["slots"][i]["key"] != key)
-        assert (cache / f"{evicted}.idx").exists()
+        assert evicted in committed(cache)
     finally:
         await proxy.stop()

@@ -34,7 +34,7 @@ from kvproxy.wire.responses import (
     to_chat,
 )
 
-from .conftest import RealServer, RunningProxy, start_proxy, start_real_server
+from .conftest import RealServer, RunningProxy, committed, start_proxy, start_real_server
 
 MODEL = "model-identity"
 ADAPTER = ResponsesAdapter()
@@ -741,7 +741,7 @@ async def test_codex_conversation_survives_a_restart_of_proxy_and_server(
     assert headers["X-KVProxy-Cache"] == "miss"
     await proxy.stop()  # graceful: the resident conversation is saved
     servers[0].stop()
-    assert len(list(cache.glob("*.idx"))) == 1
+    assert len(committed(cache)) == 1
 
     servers.append(start_real_server(cache))
     server = servers[1].url

@@ -10,6 +10,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvproxy.store import DB_NAME
+
 from .conftest import Maker, start_proxy
 from .test_cache import chat, conv, settle
 
@@ -70,7 +72,10 @@ async def test_cache_dir_and_files_are_private(make: Maker) -> None:
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     files = list(root.iterdir())
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
-    for p in files:  # names come from hashes only
+    assert (root / DB_NAME).exists()  # the index, private like the rest
+    for p in files:  # names come from hashes only (but the index's own)
+        if p.name.startswith(DB_NAME):
+            continue
         stem = p.name.split(".")[0]
         assert len(stem) == 32 and all(ch in "0123456789abcdef" for ch in stem)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvproxy import keys
-from kvproxy.store import STATE_MAGIC, Entry, Store
+from kvproxy.store import DB_NAME, STATE_MAGIC, Entry, IndexDB, Store
 
 NS = keys.namespace("m", {}, None)
 
@@ -36,27 +35,46 @@ def save(store: Store, messages: int, size: int = 1000, sidecar: bool = False) -
     return store.commit(entry, temp)
 
 
-def test_commit_writes_state_then_index(tmp_path: Path) -> None:
+def legacy(root: Path, messages: int, size: int = 1000, sidecar: bool = False) -> Entry:
+    """An entry as kvproxy before the SQLite index left it: `<key>.kv` and `<key>.idx`."""
+    chain = keys.chain(NS, [{"role": "user", "content": f"old{i}"} for i in range(messages)])
+    entry = Entry(chain[-1], NS, 10, size, messages, 1.0, 2.0 + messages, chain=chain)
+    (root / f"{entry.key}.kv").write_bytes(state_bytes(10, size))
+    if sidecar:
+        (root / f"{entry.key}.kv.ckpt").write_bytes(b"c" * 100)
+        entry.state_bytes += 100
+    (root / f"{entry.key}.idx").write_bytes(entry.to_json())
+    return entry
+
+
+def names(root: Path) -> list[str]:
+    """The cache dir's files but the index's own."""
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(DB_NAME))
+
+
+def test_commit_writes_state_then_row(tmp_path: Path) -> None:
     store = Store(tmp_path / "c", ttl=3600, max_bytes=0)
     store.open()
     assert stat.S_IMODE(os.stat(store.root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(store.root / DB_NAME).st_mode) == 0o600
     entry = save(store, 3)
     assert (store.root / f"{entry.key}.kv").stat().st_size == 1000
-    assert (store.root / f"{entry.key}.idx").exists()
+    assert store.entries[entry.key] == entry  # the row is the commit marker
+    assert names(store.root) == [f"{entry.key}.kv"]  # no .idx, no temp
     assert stat.S_IMODE(os.stat(store.root / f"{entry.key}.kv").st_mode) == 0o600
-    assert not [p for p in store.root.iterdir() if ".tmp" in p.name]
     found = store.lookup(
         keys.chain(NS, [{"role": "user", "content": f"m{i}"} for i in range(5)]), NS
     )
     assert found is not None and found[0].key == entry.key and found[1] == 3
+    assert store.total_bytes == 1000 and store.summary.entries == 1
 
 
-def test_reopen_loads_index_and_sweeps_orphans(tmp_path: Path) -> None:
+def test_reopen_keeps_the_rows_and_sweeps_orphans(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=3600, max_bytes=0)
     store.open()
     entry = save(store, 2, sidecar=True)
     orphan = "ab" * 16
-    (tmp_path / f"{orphan}.kv").write_bytes(state_bytes(5))  # a .kv with no .idx
+    (tmp_path / f"{orphan}.kv").write_bytes(state_bytes(5))  # a .kv with no row
     (tmp_path / f"{entry.key}.1234abcd.tmp").write_bytes(b"half a save")
     (tmp_path / "notes.txt").write_text("not ours")
 
@@ -64,28 +82,54 @@ def test_reopen_loads_index_and_sweeps_orphans(tmp_path: Path) -> None:
     again.open()
     assert list(again.entries) == [entry.key]
     assert again.entries[entry.key].state_bytes == 1100  # state + sidecar
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(
-        [f"{entry.key}.idx", f"{entry.key}.kv", f"{entry.key}.kv.ckpt", "notes.txt"]
-    )
+    assert names(tmp_path) == sorted([f"{entry.key}.kv", f"{entry.key}.kv.ckpt", "notes.txt"])
 
 
-def test_state_without_index_is_never_used(tmp_path: Path) -> None:
+def test_state_without_row_is_never_used(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=3600, max_bytes=0)
     store.open()
     entry = save(store, 2)
-    (tmp_path / f"{entry.key}.idx").unlink()  # crash between state and commit marker
+    IndexDB(tmp_path).delete(entry.key)  # a crash between the state's rename and its row
     again = Store(tmp_path, ttl=3600, max_bytes=0)
     again.open()
     assert again.entries == {}
+    assert again.lookup(entry.chain, NS) is None
     assert not (tmp_path / f"{entry.key}.kv").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "zero", "magic", "symlink", "index", "foreign"])
-def test_damaged_entries_are_dropped_at_start(tmp_path: Path, damage: str) -> None:
+def test_a_row_whose_state_file_is_gone_is_dropped_at_start(tmp_path: Path) -> None:
+    """An older kvproxy opened the dir meanwhile (it sweeps every .kv with no .idx)."""
     store = Store(tmp_path, ttl=3600, max_bytes=0)
     store.open()
     entry = save(store, 2)
+    (tmp_path / f"{entry.key}.kv").unlink()
+    again = Store(tmp_path, ttl=3600, max_bytes=0)
+    again.open()
+    assert again.entries == {} and again.total_bytes == 0
+
+
+def test_old_idx_records_are_imported_once(tmp_path: Path) -> None:
+    a, b = legacy(tmp_path, 2, sidecar=True), legacy(tmp_path, 3)
+    (tmp_path / f"{b.key}.msgs").write_bytes(b'[{"role":"user","content":"x"}]')
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    store.open()
+    assert set(store.entries) == {a.key, b.key}
+    assert store.entries[a.key].sidecars == (".ckpt",)
+    assert store.entries[b.key].msgs_bytes == 31
+    assert store.total_bytes == 1100 + 1000 + 31
+    # The records are gone: an older kvproxy opening the dir sweeps rather than trusts them.
+    assert not list(tmp_path.glob("*.idx"))
+    assert store.check_state_file(store.entries[a.key]) is None
+    found = store.lookup(b.chain, NS)
+    assert found is not None and found[0].key == b.key and found[1] == 3
+    again = Store(tmp_path, ttl=0, max_bytes=0)
+    again.open()
+    assert again.entries == store.entries
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero", "magic", "symlink", "index", "foreign"])
+def test_damaged_old_records_are_not_imported(tmp_path: Path, damage: str) -> None:
+    entry = legacy(tmp_path, 2)
     kv = tmp_path / f"{entry.key}.kv"
     if damage == "truncate":
         kv.write_bytes(kv.read_bytes()[:100])
@@ -105,21 +149,25 @@ def test_damaged_entries_are_dropped_at_start(tmp_path: Path, damage: str) -> No
         kv.symlink_to(target)
     else:
         (tmp_path / f"{entry.key}.idx").write_bytes(b"{not json")
-    again = Store(tmp_path, ttl=3600, max_bytes=0)
-    again.open()
-    assert again.entries == {}
+    store = Store(tmp_path, ttl=3600, max_bytes=0)
+    store.open()
+    assert store.entries == {} and store.problems
+    assert not list(tmp_path.glob("*.kv"))  # swept
 
 
 def test_ttl_eviction(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=60, max_bytes=0)
     store.open()
     old, new = save(store, 1), save(store, 2)
-    store.entries[old.key].last_used = time.time() - 120
+    store.set_last_used(old.key, time.time() - 120)
     victims = store.select_victims()
     assert [v.key for v in victims] == [old.key]
+    assert old.key not in store.entries  # the row went first
     store.delete_files(victims)
-    assert not (tmp_path / f"{old.key}.kv").exists() and not (tmp_path / f"{old.key}.idx").exists()
+    assert not (tmp_path / f"{old.key}.kv").exists()
     assert (tmp_path / f"{new.key}.kv").exists()
+    assert store.lookup(old.chain, NS) is not None  # new's chain holds old's key ...
+    assert store.lookup(old.chain, NS)[0].key == new.key  # type: ignore[index]
 
 
 def test_size_eviction_is_lru_and_takes_sidecars(tmp_path: Path) -> None:
@@ -128,9 +176,11 @@ def test_size_eviction_is_lru_and_takes_sidecars(tmp_path: Path) -> None:
     a = save(store, 1, sidecar=True)  # 1100 bytes
     b = save(store, 2)
     c = save(store, 3)
-    store.entries[a.key].last_used = 1
-    store.entries[b.key].last_used = 3
-    store.entries[c.key].last_used = 2
+    store.set_last_used(a.key, 1)
+    store.set_last_used(b.key, 3)
+    store.set_last_used(c.key, 2)
+    assert [v.key for v in store.select_victims(dry_run=True)] == [a.key]
+    assert len(store.entries) == 3  # a dry run changes nothing
     victims = store.select_victims()
     assert [v.key for v in victims] == [a.key]
     store.delete_files(victims)
@@ -142,7 +192,7 @@ def test_pinned_entries_are_not_evicted(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=1, max_bytes=0)
     store.open()
     a = save(store, 1)
-    store.entries[a.key].last_used = 0
+    store.set_last_used(a.key, 0)
     store.pin(a.key)
     assert store.select_victims() == []
     store.unpin(a.key)
@@ -155,7 +205,8 @@ def test_resave_replaces_the_entry(tmp_path: Path) -> None:
     save(store, 2, size=1000, sidecar=True)
     entry = save(store, 2, size=2000)
     assert store.entries[entry.key].state_bytes == 2000
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{entry.key}.idx", f"{entry.key}.kv"]
+    assert names(tmp_path) == [f"{entry.key}.kv"]
+    assert store.total_bytes == 2000 and store.summary.entries == 1
 
 
 def test_check_state_file(tmp_path: Path) -> None:
@@ -179,6 +230,33 @@ def test_entries_of_another_model_never_match(tmp_path: Path) -> None:
     assert store.lookup(keys.chain(NS, conversation), NS) is not None
 
 
+def test_lookup_prefers_the_entry_ending_closest_then_the_latest(tmp_path: Path) -> None:
+    store = Store(tmp_path, ttl=0, max_bytes=0)
+    store.open()
+    short, long_ = save(store, 2), save(store, 4)
+    request = keys.chain(NS, [*_msgs(2), {"role": "user", "content": "z"}])
+    found = store.lookup(request, NS)  # shares 2 keys with both: the one ending there wins
+    assert found is not None and found[0].key == short.key and found[1] == 2
+    found = store.lookup(keys.chain(NS, _msgs(3)), NS)
+    assert found is not None and found[0].key == long_.key and found[1] == 3
+    # Two entries of one depth sharing the request's first key: the latest used wins.
+    x = keys.chain(NS, [{"role": "user", "content": "m0"}, {"role": "user", "content": "x"}])
+    (tmp_path / "t").write_bytes(state_bytes(10))
+    other = store.commit(Entry(x[-1], NS, 10, 0, 2, 0, 0, chain=x), "t")
+    probe = keys.chain(NS, [{"role": "user", "content": "m0"}, {"role": "user", "content": "y"}])
+    store.set_last_used(short.key, 10)
+    store.set_last_used(other.key, 20)
+    assert store.lookup(probe, NS)[0].key == other.key  # type: ignore[index]
+    store.set_last_used(short.key, 30)
+    assert store.lookup(probe, NS)[0].key == short.key  # type: ignore[index]
+    got = {e.key: d for e, d in store.candidates(keys.chain(NS, _msgs(5)), NS)}
+    assert got == {long_.key: 4, short.key: 2}
+
+
+def _msgs(n: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"m{i}"} for i in range(n)]
+
+
 def test_a_commit_of_nothing_keeps_the_old_entry(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=0, max_bytes=0)
     store.open()
@@ -190,15 +268,21 @@ def test_a_commit_of_nothing_keeps_the_old_entry(tmp_path: Path) -> None:
     assert store.check_state_file(entry) is None
 
 
-def test_the_index_changes_only_on_its_own_thread(tmp_path: Path) -> None:
-    store = Store(tmp_path, ttl=0, max_bytes=0)
-    store.open()
-    with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="off its thread"):
-        pool.submit(save, store, 1).result()  # what asyncio.to_thread(store.commit) did
-    assert store.entries == {}
+def test_another_process_sees_the_same_rows(tmp_path: Path) -> None:
+    """`kvproxy rm` in another process: the proxy's next query has it, with no rescan."""
+    proxy = Store(tmp_path, ttl=0, max_bytes=0)
+    proxy.open()
+    entry = save(proxy, 2)
+    with ThreadPoolExecutor(1) as pool:  # its own connection, as another process has
+        cli = Store(tmp_path, ttl=0, max_bytes=0)
+        assert pool.submit(cli.open_readonly).result() == []
+        assert pool.submit(lambda: list(cli.entries)).result() == [entry.key]
+        assert pool.submit(cli.remove, entry.key).result() == entry
+    assert proxy.lookup(entry.chain, NS) is None
+    assert proxy.entries == {} and not (tmp_path / f"{entry.key}.kv").exists()
 
 
-# --- the proxy's calls: file I/O in a thread, the index on the loop
+# --- the proxy's calls: the database on its thread, file I/O in threads
 
 
 async def save_async(store: Store, messages: int, size: int = 1000) -> Entry:
@@ -211,48 +295,39 @@ async def save_async(store: Store, messages: int, size: int = 1000) -> Entry:
 
 
 def on_disk(root: Path) -> set[str]:
-    return {p.name[:-4] for p in root.iterdir() if p.suffix == ".idx"}
+    return {p.name[:-3] for p in root.iterdir() if p.suffix == ".kv"}
 
 
 async def test_async_calls_keep_index_and_disk_in_step(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=0, max_bytes=0)
     await store.open_async()
     a, b = await save_async(store, 1), await save_async(store, 2)
-    assert store._owner == threading.get_ident()  # the loop's thread
     assert set(store.entries) == on_disk(tmp_path) == {a.key, b.key}
     assert store.entries[a.key].state_bytes == 1000
     await store.touch_async(a.key)
     assert store.entries[a.key].hits == 1
-    assert Entry.from_json((tmp_path / f"{a.key}.idx").read_bytes()).hits == 1
+    assert await store.contains_async(a.key)
+    found = await store.lookup_async(b.chain, NS)
+    assert found is not None and found[0].key == b.key
     await store.remove_async(a)
     assert set(store.entries) == on_disk(tmp_path) == {b.key}
     assert not list(tmp_path.glob(f"{a.key}*"))
-    (tmp_path / f"{b.key}.idx").unlink()  # what `kvproxy rm` does first
-    assert await store.forget_removed_async() == [b.key]
-    assert store.entries == {}
-    reopened = Store(tmp_path, ttl=0, max_bytes=0)
-    await reopened.open_async()
-    assert reopened.entries == {} and list(tmp_path.iterdir()) == []  # b's state was swept
+    Store(tmp_path, 0, 0).remove(b.key)  # what `kvproxy rm` does
+    assert store.total_bytes == 1000  # the summary is as of the last query ...
+    assert await store.forget_removed_async() == []
+    assert store.total_bytes == 0  # ... and housekeeping's refresh sees the removal
+    assert await store.lookup_async(b.chain, NS) is None
+    store.close()
 
 
-async def test_a_record_rewrite_cannot_outlive_a_later_delete(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_use_cannot_bring_back_a_removed_entry(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=0, max_bytes=0)
     await store.open_async()
     entry = await save_async(store, 1)
-    rewrite = store.files.rewrite_record
-
-    def slow_rewrite(key: str, record: bytes) -> None:
-        time.sleep(0.2)  # a slow disk: the eviction below is issued meanwhile
-        rewrite(key, record)
-
-    monkeypatch.setattr(store.files, "rewrite_record", slow_rewrite)
-    touch = asyncio.ensure_future(store.touch_async(entry.key))
-    await asyncio.sleep(0)  # the rewrite is under way
     await store.remove_async(entry)
-    await touch
-    assert list(tmp_path.iterdir()) == []  # no .idx came back without its state
+    await store.touch_async(entry.key)
+    assert store.entries == {} and names(tmp_path) == []
+    store.close()
 
 
 async def test_a_cancelled_commit_still_lands_in_the_index(
@@ -262,9 +337,9 @@ async def test_a_cancelled_commit_still_lands_in_the_index(
     await store.open_async()
     commit = store.files.commit
 
-    def slow_commit(entry: Entry, temp: str) -> Entry | None:
+    def slow_commit(entry: Entry, temp: str, old: Entry | None) -> Entry | None:
         time.sleep(0.2)
-        return commit(entry, temp)
+        return commit(entry, temp, old)
 
     monkeypatch.setattr(store.files, "commit", slow_commit)
     saving = asyncio.ensure_future(save_async(store, 1))
@@ -277,25 +352,21 @@ async def test_a_cancelled_commit_still_lands_in_the_index(
             break
         await asyncio.sleep(0.01)
     assert set(store.entries) == on_disk(tmp_path) and len(store.entries) == 1
+    store.close()
 
 
-async def test_forget_removed_keeps_an_entry_committed_again_meanwhile(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def test_an_eviction_racing_a_commit_of_its_victim_keeps_the_new_files(
+    tmp_path: Path,
 ) -> None:
-    store = Store(tmp_path, ttl=0, max_bytes=0)
+    store = Store(tmp_path, ttl=0, max_bytes=1500)
     await store.open_async()
-    entry = await save_async(store, 1)
-    (tmp_path / f"{entry.key}.idx").unlink()  # `kvproxy rm` ...
-    missing = store.files.missing_records
-
-    def slow_listing(keys: list[str]) -> list[str]:
-        gone = missing(keys)
-        time.sleep(0.2)  # ... and the proxy saves the same conversation again meanwhile
-        return gone
-
-    monkeypatch.setattr(store.files, "missing_records", slow_listing)
-    checking = asyncio.ensure_future(store.forget_removed_async())
-    await asyncio.sleep(0)
-    again = await save_async(store, 1)
-    assert await checking == []
-    assert store.entries == {again.key: again} and on_disk(tmp_path) == {again.key}
+    first = await save_async(store, 1)
+    store.max_bytes = 500  # over budget: the eviction's victim is the entry being re-saved
+    saving = asyncio.ensure_future(save_async(store, 1, size=400))
+    victims = await store.select_victims_async()
+    await store.delete_files_async(victims)
+    again = await saving
+    assert victims == [] or victims[0].key != first.key
+    assert store.entries[first.key].state_bytes == 400
+    assert store.check_state_file(again) is None
+    store.close()

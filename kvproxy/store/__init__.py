@@ -1,32 +1,44 @@
 """The disk store: saved slot states in the cache dir shared with llama-server.
 
-- `kvproxy.store.files`: `StoreFiles`, the files on disk and their invariants (the `.idx`
-  commit marker, written last and deleted first; O_NOFOLLOW, regular files only); any thread.
-- `kvproxy.store.index`: `Store`, the in-memory index owned by the event loop, its `*_async`
-  operations (one at a time per key, in issue order) and the synchronous ones for the CLI.
-- `kvproxy.store.entry`: `Entry`, one saved state, and its JSON index record.
+- `kvproxy.store.files`: `StoreFiles`, the files on disk and their invariants (derived names,
+  O_NOFOLLOW, regular files only; old `.idx` records read for import); any thread.
+- `kvproxy.store.db`: `IndexDB`, the SQLite index (`index.sqlite3`, WAL): one row per entry,
+  the commit marker, written after the files and deleted before them; indexed prefix lookup,
+  LRU/TTL order and a trigger-kept byte total.
+- `kvproxy.store.index`: `Store`, the operations that keep index and files in step: `*_async`
+  for the proxy (the database on one dedicated thread, files in threads, one operation at a
+  time per key, in issue order) and the synchronous ones for the CLI.
+- `kvproxy.store.entry`: `Entry`, one saved state, and the old JSON index record.
 """
 
+from .db import DB_NAME, SORTS, IndexDB, Listing, Totals
 from .entry import Entry
 from .files import (
     MAX_IDX_BYTES,
     MAX_MSGS_BYTES,
     MSGS_SUFFIX,
+    SIDECAR_SUFFIXES,
     STATE_MAGIC,
     TMP_MARK,
-    Loaded,
+    Scanned,
     StoreFiles,
 )
 from .index import Store
 
 __all__ = [
+    "DB_NAME",
     "MAX_IDX_BYTES",
     "MAX_MSGS_BYTES",
     "MSGS_SUFFIX",
+    "SIDECAR_SUFFIXES",
+    "SORTS",
     "STATE_MAGIC",
     "TMP_MARK",
     "Entry",
-    "Loaded",
+    "IndexDB",
+    "Listing",
+    "Scanned",
     "Store",
     "StoreFiles",
+    "Totals",
 ]

@@ -33,6 +33,12 @@ class Entry:
     # The conversation as the client will echo it, handed to `commit`, which writes it to
     # `<key>.msgs` and drops it from the committed entry: read it back with `read_messages`.
     messages: list[Any] | None = field(default=None, repr=False, compare=False)
+    # Suffixes after `<key>.kv` of the state's other files (checkpoint sidecars some server
+    # builds write): their names are derived from these, never searched for.
+    sidecars: tuple[str, ...] = ()
+    # The index row (kvproxy.store.db): tells a re-commit of the same key apart. 0 until
+    # committed.
+    row_id: int = field(default=0, compare=False)
 
     @property
     def on_disk(self) -> int:
@@ -58,7 +64,10 @@ class Entry:
         return entry
 
 
-_RECORD_FIELDS = tuple(f.name for f in fields(Entry) if f.name != "messages")
+# The `.idx` record of kvproxy before the SQLite index: read when importing an old cache dir.
+_RECORD_FIELDS = tuple(
+    f.name for f in fields(Entry) if f.name not in ("messages", "sidecars", "row_id")
+)
 # Attribute -> name in the JSON record, where they differ (records written before stay valid).
 _RECORD_NAMES = {"state_bytes": "bytes"}
 _FIELD_NAMES = {v: k for k, v in _RECORD_NAMES.items()}

@@ -1,16 +1,20 @@
 """The cache dir's files, shared with llama-server: `StoreFiles`, pure file I/O.
 
 An entry is `<key>.kv` (written by llama-server's slot save), any checkpoint sidecar a server
-build writes beside it (`<key>.kv.<anything>`), optionally `<key>.msgs` (the conversation as
-the client will echo it, JSON, for explaining misses), and `<key>.idx`, the JSON index
-record. The `.idx` is written last (temp file, fsync, rename) and deleted first, so it is the
-commit marker: a file without one is never used and is swept at start-up. Files are opened
-with O_NOFOLLOW and O_NONBLOCK (a FIFO never blocks) and must be regular files.
+build writes beside it (`<key>.kv<suffix>`, suffixes in `SIDECAR_SUFFIXES`), and optionally
+`<key>.msgs` (the conversation as the client will echo it, JSON, for explaining misses). The
+commit marker is the entry's row in the index (`kvproxy.store.db`), written after the files
+are renamed into place and fsynced, and deleted before them: a file without a row is never
+used and is swept at start-up. Every name is derived from the key and the row, never searched
+for: no directory scan outside start-up. Files are opened with O_NOFOLLOW and O_NONBLOCK (a
+FIFO never blocks) and must be regular files.
 
-Who touches what. `StoreFiles` keeps no index: its methods take plain data (keys, serialised
-records, entries nobody changes meanwhile) and return plain data (what was loaded, which
-records are gone, the committed entry), so any thread may run them. Keeping two operations on
-one key apart, and the in-memory index, are `Store`'s job (`kvproxy.store.index`).
+kvproxy before the SQLite index kept a `<key>.idx` JSON record per entry instead; `scan`
+reads those once, at the first open, for the index to import.
+
+Who touches what. `StoreFiles` keeps no index: its methods take plain data (keys, entries
+nobody changes meanwhile) and return plain data, so any thread may run them. Keeping two
+operations on one key apart, and the index, are `Store`'s job (`kvproxy.store.index`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import secrets
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,11 @@ log = logging.getLogger("kvproxy.store")
 TMP_MARK = ".tmp"
 STATE_MAGIC = 0x67677371
 MSGS_SUFFIX = ".msgs"
+IDX_SUFFIX = ".idx"
+# The sidecars a save may leave beside its state file (the checkpoint file of server builds
+# that write one; llama-server's slot save itself writes the one file, server-context.cpp
+# SERVER_TASK_TYPE_SLOT_SAVE): probed by name at commit.
+SIDECAR_SUFFIXES = (".ckpt",)
 # Index records are small; a conversation's text can be large. Beyond this its text is not
 # kept (misses against that entry just go unexplained).
 MAX_IDX_BYTES = 1 << 20
@@ -43,11 +52,13 @@ MAX_MSGS_BYTES = 16 << 20
 
 
 @dataclass
-class Loaded:
-    """What a load of the cache dir found."""
+class Scanned:
+    """What the start-up scan of the cache dir found."""
 
-    entries: list[Entry]
-    problems: list[tuple[str, str]]  # (key, reason) of records skipped
+    imported: list[Entry] = field(default_factory=list)  # from `.idx` records, files checked
+    records: list[str] = field(default_factory=list)  # keys of `.idx` files seen
+    missing: list[str] = field(default_factory=list)  # indexed keys whose state file is gone
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) skipped
 
 
 class StoreFiles:
@@ -68,24 +79,15 @@ class StoreFiles:
         return f"{key}.{secrets.token_hex(4)}{TMP_MARK}"
 
     def _idx_path(self, key: str) -> Path:
-        return self.root / f"{key}.idx"
+        return self.root / f"{key}{IDX_SUFFIX}"
 
     def _msgs_path(self, key: str) -> Path:
         return self.root / f"{key}{MSGS_SUFFIX}"
 
-    def _entry_files(self, key: str) -> list[Path]:
-        """The state file and its sidecars (not the .idx)."""
-        return self._files_of({key}).get(key, [])
-
-    def _files_of(self, keys: set[str]) -> dict[str, list[Path]]:
-        """The state files and sidecars of `keys`, in one directory scan."""
-        out: dict[str, list[Path]] = {}
-        with os.scandir(self.root) as it:
-            for de in it:
-                key, _, rest = de.name.partition(".")
-                if key in keys and (rest == "kv" or rest.startswith("kv.")):
-                    out.setdefault(key, []).append(Path(de.path))
-        return out
+    def state_files(self, entry: Entry) -> list[Path]:
+        """The state file and its sidecars, by name."""
+        state = self.root / self.state_name(entry.key)
+        return [state] + [Path(f"{state}{s}") for s in sorted(entry.sidecars)]
 
     # --- start-up
 
@@ -94,58 +96,68 @@ class StoreFiles:
         with contextlib.suppress(OSError):
             os.chmod(self.root, 0o700)
 
-    def load(self, sweep: bool) -> Loaded:
-        """The committed entries whose files check out. With `sweep`, also delete what no
-        commit covers and the files of entries that do not check out."""
-        problems: list[tuple[str, str]] = []
+    def scan(self, known: dict[str, tuple[str, ...]], sweep: bool) -> Scanned:
+        """One pass over the cache dir at start-up: read the `.idx` records of keys the index
+        does not know (checking their files), and note indexed keys whose state file is gone.
+        With `sweep`, also delete what no row or record covers: temp files, files of keys
+        nobody committed, unreadable records and entries whose files do not check out."""
+        out = Scanned()
         with os.scandir(self.root) as it:
             names = [de.name for de in it]
-        records: dict[str, Entry] = {}
+        by_key: dict[str, list[str]] = {}
         for name in names:
-            if name.endswith(".idx") and TMP_MARK not in name and is_key(name[:-4]):
-                try:
-                    entry = Entry.from_json(self._read_regular(self.root / name, MAX_IDX_BYTES))
-                    if entry.key != name[:-4]:
-                        raise ValueError("record names another key")
-                    records[entry.key] = entry
-                except (OSError, ValueError, TypeError) as exc:
-                    problems.append((name[:-4], f"unreadable index record: {exc}"))
-                    if sweep:
-                        log.warning("dropping unreadable index record %s: %s", name, exc)
-                        _unlink(self.root / name)
-        # One pass over the names instead of a directory scan per entry: a big cache has
-        # thousands of entries.
-        files: dict[str, list[Path]] = {}
-        with_text: set[str] = set()
-        for name in names:
-            path = self.root / name
             key = name.split(".", 1)[0]
-            committed = is_key(key) and key in records
             if TMP_MARK in name:
-                if sweep:
-                    _unlink(path)
-            elif name.endswith(".idx"):
+                if sweep and is_key(key):
+                    _unlink(self.root / name)
+            elif is_key(key):
+                by_key.setdefault(key, []).append(name[len(key) :])
+        for key, suffixes in by_key.items():
+            if IDX_SUFFIX in suffixes:
+                out.records.append(key)
+            if key in known:
                 continue
-            elif committed and name.startswith(f"{key}.kv"):
-                files.setdefault(key, []).append(path)
-            elif committed and name == f"{key}{MSGS_SUFFIX}":
-                with_text.add(key)
-            elif sweep and is_key(key):  # only ever delete files that look like ours
-                log.info("sweeping uncommitted file %s", name)
-                _unlink(path)
-        loaded = []
-        for key, entry in records.items():
-            problem = self._check_files(entry, files.get(key, []))
-            if problem is not None:
-                problems.append((key, problem))
-                if sweep:
-                    log.warning("dropping entry %s: %s", key[:12], problem)
-                    self.delete([key])
-                continue
-            # What is on disk counts against the budget, whatever the record says.
-            entry.msgs_bytes = self._msgs_size(key) if key in with_text else 0
-            loaded.append(entry)
-        return Loaded(loaded, problems)
+            entry = self._import(key, suffixes, out.problems) if IDX_SUFFIX in suffixes else None
+            if entry is not None:
+                out.imported.append(entry)
+            elif sweep:
+                if IDX_SUFFIX in suffixes:
+                    log.warning("dropping entry %s: %s", key[:12], out.problems[-1][1])
+                for suffix in suffixes:
+                    if suffix != IDX_SUFFIX:
+                        log.info("sweeping uncommitted file %s%s", key, suffix)
+                    _unlink(self.root / f"{key}{suffix}")
+        out.missing = [k for k in known if ".kv" not in by_key.get(k, ())]
+        return out
+
+    def _import(
+        self, key: str, suffixes: list[str], problems: list[tuple[str, str]]
+    ) -> Entry | None:
+        """The entry a `.idx` record of kvproxy before the SQLite index commits, if its
+        record reads and its files check out; else None, with the reason in `problems`."""
+        try:
+            entry = Entry.from_json(self._read_regular(self._idx_path(key), MAX_IDX_BYTES))
+            if entry.key != key:
+                raise ValueError("record names another key")
+        except (OSError, ValueError, TypeError) as exc:
+            problems.append((key, f"unreadable index record: {exc}"))
+            return None
+        entry.sidecars = tuple(sorted(s[3:] for s in suffixes if s.startswith(".kv.")))
+        problem = self.check_state_file(entry)
+        if problem is not None:
+            problems.append((key, problem))
+            return None
+        # What is on disk counts against the budget, whatever the record says.
+        entry.msgs_bytes = self._msgs_size(key) if MSGS_SUFFIX in suffixes else 0
+        return entry
+
+    def drop_records(self, keys: Iterable[str]) -> None:
+        """Delete imported `.idx` records (their rows are committed): an older kvproxy that
+        opens the dir then finds no record and sweeps the entries rather than trusting
+        records the index may since have replaced."""
+        for key in keys:
+            _unlink(self._idx_path(key))
+        _fsync_dir(self.root)
 
     def _msgs_size(self, key: str) -> int:
         """The size of `<key>.msgs`, 0 if it is missing or not a regular file."""
@@ -163,53 +175,55 @@ class StoreFiles:
         finally:
             os.close(fd)
 
-    # --- commits and records
+    # --- commits
 
-    def commit(self, entry: Entry, temp: str) -> Entry | None:
-        """Move a finished save from its temp name to `<key>.kv*`, then write the commit marker.
+    def commit(self, entry: Entry, temp: str, old: Entry | None) -> Entry | None:
+        """Move a finished save from its temp name to `<key>.kv*`, fsynced, and write the
+        text; the caller then commits the row. `old`: the entry this one replaces (its row is
+        already gone), whose files not overwritten are deleted.
 
-        Returns the committed entry (sizes filled in, text dropped; `entry` is left as it was),
-        or None when llama-server wrote no file named `temp`: then nothing was changed.
+        Returns the entry to commit (sizes and sidecars filled in, text dropped; `entry` is
+        left as it was), or None when llama-server wrote no file named `temp`: then nothing
+        was changed.
         """
         key = entry.key
         state = self.state_name(key)
-        moved: list[tuple[Path, Path]] = []
-        present: list[Path] = []
-        with os.scandir(self.root) as it:
-            for de in it:
-                if de.name == temp or de.name.startswith(temp + "."):
-                    moved.append((Path(de.path), self.root / (state + de.name[len(temp) :])))
-                elif de.name == state or de.name.startswith(state + "."):
-                    present.append(Path(de.path))
-        if not any(src.name == temp for src, _ in moved):
+        src = self.root / temp
+        if not src.exists():
             return None
-        # An entry already under this key stops being committed before its files change.
-        _unlink(self._idx_path(key))
-        for path in present:
-            if all(path != dst for _, dst in moved):
-                _unlink(path)
+        moved = [(src, self.root / state)]
+        sidecars = []
+        for suffix in SIDECAR_SUFFIXES:
+            side = Path(f"{src}{suffix}")
+            if side.exists():
+                moved.append((side, self.root / f"{state}{suffix}"))
+                sidecars.append(suffix)
+        if old is not None:
+            for path in self.state_files(old)[1:]:
+                if all(path != dst for _, dst in moved):
+                    _unlink(path)
         _unlink(self._msgs_path(key))
         size = 0
         digest = xxhash.xxh3_128()
-        for src, dst in sorted(moved, key=lambda pair: pair[1].name):
-            size += _regular_size(src)
+        for src_path, dst in sorted(moved, key=lambda pair: pair[1].name):
+            size += _regular_size(src_path)
             with contextlib.suppress(OSError):
-                os.chmod(src, 0o600)
-            _hash_into(digest, src, dst.name[len(state) :])
-            _fsync_file(src)
-            os.replace(src, dst)
+                os.chmod(src_path, 0o600)
+            _hash_into(digest, src_path, dst.name[len(state) :])
+            _fsync_file(src_path)
+            os.replace(src_path, dst)
         msgs_bytes = self._write_messages(key, entry.messages) if entry.messages else 0
-        # The text is on disk now: kept out of memory and out of the index record.
-        committed = replace(
+        # The renames are durable before the row that commits them is written.
+        _fsync_dir(self.root)
+        # The text is on disk now: kept out of memory and out of the index.
+        return replace(
             entry,
             state_bytes=size,
             msgs_bytes=msgs_bytes,
             checksum=digest.hexdigest(),
+            sidecars=tuple(sidecars),
             messages=None,
         )
-        self._write_atomic(self._idx_path(key), key, committed.to_json())
-        _fsync_dir(self.root)
-        return committed
 
     def _write_messages(self, key: str, messages: list[Any]) -> int:
         """Write `<key>.msgs` (before the commit marker); its size, or 0 if not kept."""
@@ -222,14 +236,6 @@ class StoreFiles:
             return 0
         self._write_atomic(self._msgs_path(key), key, data)
         return len(data)
-
-    def rewrite_record(self, key: str, record: bytes) -> None:
-        """Replace a committed entry's index record (a use was recorded). Best effort: the old
-        record stays valid."""
-        try:
-            self._write_atomic(self._idx_path(key), key, record)
-        except OSError as exc:
-            log.debug("cannot rewrite the record of %s: %s", key[:12], exc)
 
     def _write_atomic(self, path: Path, key: str, data: bytes) -> None:
         """Temp file (swept at start-up if we die), fsync, rename: readers see all or nothing."""
@@ -270,17 +276,11 @@ class StoreFiles:
         return out
 
     def check_state_file(self, entry: Entry) -> str | None:
-        """Cheap checks before asking the server to load a file; the reason it is bad, if so."""
-        try:
-            files = self._entry_files(entry.key)
-        except OSError as exc:
-            return str(exc)
-        return self._check_files(entry, files)
-
-    def _check_files(self, entry: Entry, files: list[Path]) -> str | None:
+        """Cheap checks before asking the server to load a file; the reason it is bad, if so.
+        A few `lstat`s of derived names and a 12-byte read."""
         path = self.root / self.state_name(entry.key)
         try:
-            size = sum(_regular_size(p) for p in files)
+            size = sum(_regular_size(p) for p in self.state_files(entry))
             if size != entry.state_bytes:
                 return f"size {size} != recorded {entry.state_bytes}"
             fd = _open_regular(path)
@@ -301,7 +301,7 @@ class StoreFiles:
         digest = xxhash.xxh3_128()
         state = self.state_name(entry.key)
         try:
-            for p in sorted(self._entry_files(entry.key), key=lambda f: f.name):
+            for p in sorted(self.state_files(entry), key=lambda f: f.name):
                 _hash_into(digest, p, p.name[len(state) :])
         except (OSError, ValueError) as exc:
             return str(exc)
@@ -309,36 +309,30 @@ class StoreFiles:
             return "checksum mismatch: the state file changed since it was saved"
         return None
 
-    def missing_records(self, keys: list[str]) -> list[str]:
-        """Those of `keys` whose commit marker is gone (someone ran `kvproxy rm` or `gc`)."""
-        try:
-            with os.scandir(self.root) as it:
-                present = {de.name[:-4] for de in it if de.name.endswith(".idx")}
-        except OSError:
-            return []
-        # Checked again one by one: a directory listing may miss a name renamed over meanwhile.
-        return [k for k in keys if k not in present and not self._idx_path(k).exists()]
-
     # --- deleting
 
-    def delete(self, keys: Iterable[str]) -> None:
-        """Delete entries' files, each one's commit marker first."""
-        wanted = set(keys)
-        for key in wanted:
-            _unlink(self._idx_path(key))
-        with contextlib.suppress(OSError):
-            for paths in self._files_of(wanted).values():
-                for path in paths:
+    def delete(self, entries: Iterable[Entry]) -> None:
+        """Delete entries' files (their rows are gone already)."""
+        for entry in entries:
+            for path in [*self.state_files(entry), self._msgs_path(entry.key)]:
+                with contextlib.suppress(OSError):
                     _unlink(path)
-        for key in wanted:
             with contextlib.suppress(OSError):
-                _unlink(self._msgs_path(key))
+                _unlink(self._idx_path(entry.key))  # a record a downgrade may have left
+
+    def delete_key(self, key: str) -> None:
+        """Delete the files a key with no row may have (a damaged record): every derived
+        name, with each known sidecar."""
+        state = self.root / self.state_name(key)
+        names = [state, *(Path(f"{state}{s}") for s in SIDECAR_SUFFIXES)]
+        for path in [self._idx_path(key), *names, self._msgs_path(key)]:
+            with contextlib.suppress(OSError):
+                _unlink(path)
 
     def discard_temp(self, temp: str) -> None:
-        with contextlib.suppress(OSError), os.scandir(self.root) as it:
-            for de in it:
-                if de.name == temp or de.name.startswith(temp + "."):
-                    _unlink(Path(de.path))
+        for path in [self.root / temp, *(self.root / f"{temp}{s}" for s in SIDECAR_SUFFIXES)]:
+            with contextlib.suppress(OSError):
+                _unlink(path)
 
 
 def _hash_into(digest: Any, path: Path, suffix: str) -> None:

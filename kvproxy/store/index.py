@@ -1,21 +1,23 @@
-"""`Store`: the loop-owned index of the cache dir, and the operations that keep it and the
-files in step.
+"""`Store`: the cache dir's index (an SQLite database, `kvproxy.store.db`) and the operations
+that keep it and the files in step.
 
-Who touches what. The in-memory index (`Store.entries`, the prefix map `lookup` uses, the pins
-and `problems`) belongs to one thread: the event loop's in the proxy, the only thread in
-`kvproxy ls|rm|gc`. Every change to it happens there (a change from another thread raises), so
-the loop iterates it (lookups, eviction, `total_bytes`, the /metrics scrape) with no lock and
-no copy. File I/O lives in `StoreFiles` (`kvproxy.store.files`), which keeps no index, so any
-thread may run it. The proxy calls the `*_async` methods of `Store`: each does its index work
-on the loop, runs the file I/O in a thread and applies the result on the loop when the thread
-is done. The synchronous methods (`open`, `commit`, `remove`, ...) do both in the calling
-thread, for a process with no event loop; never hand them to `asyncio.to_thread`.
+Who touches what. The index lives in the database, not in memory: the proxy keeps only the
+pins of entries being restored, the operations in flight per key and a summary (entry count
+and bytes, one row the triggers keep) refreshed after each write. In the proxy every query
+and write runs on one dedicated thread with one connection (`_db`), file I/O in
+`asyncio.to_thread` (`StoreFiles`), and their results are applied on the event loop: the loop
+never waits for SQLite or the disk. `kvproxy ls|rm|gc` (no event loop) call the synchronous
+methods, which use a connection of the calling thread; never hand those to a thread from the
+proxy. Several processes share the database safely (SQLite's locking, WAL); rows are the
+truth, so a proxy sees what `kvproxy rm|gc` did at its next query, with no rescan.
 
-Order on disk. The `*_async` operations that change a key's files (commit, record rewrite,
-delete) run one at a time per key, in the order the loop issued them, and their index effects
-are applied even if the request that asked for them is cancelled: a record rewrite after a
-restore cannot bring back an `.idx` that a later eviction deleted, and the index never falls
-behind the disk.
+Order on disk. The `*_async` operations that change a key's files (commit, delete) run one
+at a time per key, in the order the loop issued them, and finish even if the request that
+asked for them is cancelled. A commit deletes the key's old row before its files change and
+writes the new row after they are in place (the row is the commit marker); a deletion drops
+the row before the files. An eviction's victims are rows the eviction deleted; their files are
+deleted unless a commit of the same key was in flight meanwhile (the files are that commit's
+by then).
 """
 
 from __future__ import annotations
@@ -24,44 +26,42 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ..keys import is_key
+from .db import IndexDB, Listing, Totals
 from .entry import Entry
-from .files import Loaded, StoreFiles
+from .files import Scanned, StoreFiles
 
 log = logging.getLogger("kvproxy.store")
 
 T = TypeVar("T")
-R = TypeVar("R")
 
-
-def _same(value: T) -> T:
-    return value
+IMPORT_BATCH = 5000  # `.idx` records imported per transaction
 
 
 class Store:
     """The index of the cache dir, and the operations that keep it and the files in step.
-
-    Invariant: `entries`, the prefix map, the pins and `problems` change only on the thread
-    that first changed them (the event loop in the proxy), and `entries` holds exactly the
-    committed entries the proxy knows of; see the module docstring.
-    """
+    See the module docstring for which thread does what."""
 
     def __init__(self, root: Path, ttl: float, max_bytes: int) -> None:
         self.root = root
         self.files = StoreFiles(root)
         self.ttl = ttl
         self.max_bytes = max_bytes
-        self.entries: dict[str, Entry] = {}
-        self._by_prefix: dict[str, set[str]] = {}
+        self.problems: list[tuple[str, str]] = []  # (key, reason) skipped by the last open
+        self.ready = False  # opened: the proxy serves uncached until then
+        self.summary = Totals(0, 0)
         self._pinned: dict[str, int] = {}
-        self.problems: list[tuple[str, str]] = []  # (key, reason) skipped by the last load
-        self._owner: int | None = None  # the thread the index belongs to
         self._last_op: dict[str, asyncio.Future[Any]] = {}  # per key, the latest file operation
+        self._committing: dict[str, int] = {}  # keys with a commit in flight
+        self._watchers: list[set[str]] = []  # keys committed while an eviction runs
+        self._local = threading.local()  # one IndexDB per thread
+        self._executor: ThreadPoolExecutor | None = None  # the proxy's index thread
 
     # --- names (any thread)
 
@@ -72,92 +72,68 @@ class Store:
         """Where llama-server writes a save before it is committed under its key."""
         return self.files.temp_name(key)
 
-    # --- the index: its own thread only, no I/O
+    # --- the database
 
-    def _own(self) -> None:
-        me = threading.get_ident()
-        if self._owner is None:
-            self._owner = me
-        elif self._owner != me:
-            raise RuntimeError("the store index changed off its thread (use the *_async calls)")
+    def _conn(self) -> IndexDB:
+        """The calling thread's connection (sqlite3 connections stay on their thread)."""
+        db: IndexDB | None = getattr(self._local, "db", None)
+        if db is None:
+            if not self.root.exists():
+                self.files.create()
+            db = IndexDB(self.root)
+            self._local.db = db
+        return db
 
-    def _install(self, loaded: Loaded) -> None:
-        self._own()
-        self.entries.clear()
-        self._by_prefix.clear()
-        for entry in loaded.entries:
-            self._add(entry)
-        self.problems = loaded.problems
+    async def _db(self, work: Callable[[IndexDB], T]) -> T:
+        """Run `work` on the index thread; the summary is refreshed with it."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvproxy-index")
+        result, totals = await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._with_totals, work
+        )
+        self.summary = totals
+        return result
 
-    def _add(self, entry: Entry) -> None:
-        self._own()
-        self.entries[entry.key] = entry
-        for k in entry.chain or [entry.key]:
-            self._by_prefix.setdefault(k, set()).add(entry.key)
+    def _with_totals(self, work: Callable[[IndexDB], T]) -> tuple[T, Totals]:
+        db = self._conn()
+        return work(db), db.totals()
 
-    def _forget(self, key: str) -> Entry | None:
-        self._own()
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            for k in entry.chain or [entry.key]:
-                holders = self._by_prefix.get(k)
-                if holders is not None:
-                    holders.discard(key)
-                    if not holders:
-                        del self._by_prefix[k]
-        return entry
+    def _sync(self, work: Callable[[IndexDB], T]) -> T:
+        result, self.summary = self._with_totals(work)
+        return result
+
+    def close(self) -> None:
+        """Close the connections (the proxy's index thread ends with its executor)."""
+        if self._executor is not None:
+            self._executor.submit(self._close_local).result()
+            self._executor.shutdown()
+            self._executor = None
+        self._close_local()
+
+    def _close_local(self) -> None:
+        db: IndexDB | None = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    # --- what the loop keeps: pins and a summary
 
     @property
     def total_bytes(self) -> int:
-        """Bytes on disk: state files, their sidecars and the conversations' text."""
-        return sum(e.on_disk for e in self.entries.values())
+        """Bytes on disk: state files, their sidecars and the conversations' text (as of the
+        last query; housekeeping refreshes it every second)."""
+        return self.summary.bytes
 
-    def lookup(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
-        """The stored entry sharing the longest prefix with `keys`, and that prefix's length."""
-        for depth in range(len(keys), 0, -1):
-            holders = self._by_prefix.get(keys[depth - 1])
-            if not holders:
-                continue
-            # Prefer the entry that ends closest to this point: least to load, least to drop.
-            candidates = [
-                self.entries[k] for k in holders if self.entries[k].namespace == namespace
-            ]
-            if candidates:
-                best = min(candidates, key=lambda e: (len(e.chain), -e.last_used))
-                return best, depth
-        return None
-
-    def candidates(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
-        """Entries a request could restore, each with the keys it shares with `keys`: the
-        longest match (`lookup`), and every entry that ends exactly at one of the request's
-        boundaries (the request extends it). O(len(keys)) dict look-ups: no pass over the
-        entries that merely share a prefix (every conversation of an agent shares its system
-        prompt). Deepest first."""
-        out: list[tuple[Entry, int]] = []
-        longest = self.lookup(keys, namespace)
-        if longest is not None:
-            out.append(longest)
-        for depth in range(len(keys), 0, -1):
-            entry = self.entries.get(keys[depth - 1])
-            # Keys are chained hashes: an entry under keys[depth - 1] holds keys[:depth].
-            if entry is not None and entry.namespace == namespace:
-                if longest is None or entry is not longest[0]:
-                    out.append((entry, depth))
-        return out
-
-    def recent_with_text(self, namespace: str, limit: int = 8) -> list[str]:
-        """Keys of the most recently used entries of `namespace` whose text was kept: the
-        conversations a miss is compared with (reading every entry's text would not scale)."""
-        found = [e for e in self.entries.values() if e.namespace == namespace and e.msgs_bytes]
-        found.sort(key=lambda e: e.last_used, reverse=True)
-        return [e.key for e in found[:limit]]
+    @property
+    def entries(self) -> Mapping[str, Entry]:
+        """A read-only view of the committed entries, querying the database in the calling
+        thread: for `kvproxy ls|rm|gc` and tests, never the proxy's request paths."""
+        return _EntriesView(self)
 
     def pin(self, key: str) -> None:
-        self._own()
         self._pinned[key] = self._pinned.get(key, 0) + 1
 
     def unpin(self, key: str) -> None:
-        self._own()
         left = self._pinned.get(key, 0) - 1
         if left > 0:
             self._pinned[key] = left
@@ -168,113 +144,146 @@ class Store:
         now = time.time() if now is None else now
         return self.ttl > 0 and now - entry.last_used > self.ttl
 
-    def select_victims(self, now: float | None = None, incoming: int = 0) -> list[Entry]:
-        """TTL first, then least recently used until the budget (plus `incoming`) fits.
+    # --- lookups (the proxy: on the index thread)
 
-        Victims leave the in-memory index at once; the caller deletes their files
-        (`delete_files_async`, or `delete_files` with no event loop).
-        """
-        now = time.time() if now is None else now
-        victims: list[Entry] = []
-        if self.ttl > 0:
-            for entry in list(self.entries.values()):
-                if self.expired(entry, now) and entry.key not in self._pinned:
-                    victims.append(entry)
-                    self._forget(entry.key)
-        if self.max_bytes > 0:
-            total = self.total_bytes + incoming
-            if total > self.max_bytes:
-                for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
-                    if total <= self.max_bytes:
-                        break
-                    if entry.key in self._pinned:
-                        continue
-                    victims.append(entry)
-                    self._forget(entry.key)
-                    total -= entry.on_disk
-        return victims
+    async def lookup_async(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
+        """The stored entry sharing the longest prefix with `keys`, and that prefix's length."""
+        return await self._db(partial(_longest, keys=keys, namespace=namespace))
 
-    def _committed(self, temp: str, old: Entry | None, committed: Entry | None) -> Entry:
-        """Index a commit that replaced `old` (already forgotten), or put `old` back."""
-        if committed is None:  # nothing changed on disk: the old entry is still good
-            if old is not None and old.key not in self.entries:
-                self._add(old)
-            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
-        self._add(committed)
-        return committed
+    async def candidates_async(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
+        """See `candidates`."""
+        return await self._db(partial(_candidates, keys=keys, namespace=namespace))
 
-    def _record_use(self, key: str, hits: int) -> bytes | None:
-        """Count a use of `key` (for LRU across restarts); its new record, None if unknown."""
-        self._own()
-        entry = self.entries.get(key)
-        if entry is None:
-            return None
-        entry.last_used = time.time()
-        entry.hits += hits
-        return entry.to_json()
+    async def used_since_async(self, when: float, limit: int = 10_000) -> list[tuple[str, float]]:
+        """(key, last_used) of the entries used since `when` (wall clock), newest first."""
+        return await self._db(lambda db: db.used_since(when, limit))
 
-    def _forget_gone(self, known: dict[str, Entry], gone: list[str]) -> list[str]:
-        """Forget those of `gone` (seen without a commit marker) still indexed as they were in
-        `known`: an entry committed again since, or being restored, stays."""
-        forgotten = []
-        for key in gone:
-            if self.entries.get(key) is known[key] and key not in self._pinned:
-                self._forget(key)
-                forgotten.append(key)
-        return forgotten
+    async def contains_async(self, key: str) -> bool:
+        return await self._db(lambda db: db.contains(key))
 
-    # --- the proxy: index work on the loop, file I/O in a thread
+    async def recent_with_text_async(self, namespace: str, limit: int = 8) -> list[str]:
+        """See `recent_with_text`."""
+        return await self._db(lambda db: db.recent_with_text(namespace, limit))
+
+    async def refresh_async(self) -> Totals:
+        """Re-read the summary (another process may have removed entries)."""
+        await self._db(lambda db: None)
+        return self.summary
+
+    async def forget_removed_async(self) -> list[str]:
+        """Rows are the truth: nothing to forget when `kvproxy rm|gc` removed entries; the
+        summary is refreshed. Kept for housekeeping's call; always []."""
+        await self.refresh_async()
+        return []
+
+    # --- lookups with no event loop (and tests)
+
+    def lookup(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
+        return self._sync(partial(_longest, keys=keys, namespace=namespace))
+
+    def candidates(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
+        """Entries a request could restore, each with the keys it shares with `keys`: the
+        longest match (`lookup`), and every entry that ends exactly at one of the request's
+        boundaries (the request extends it). Index seeks only: no pass over the entries that
+        merely share a prefix (every conversation of an agent shares its system prompt).
+        Deepest first."""
+        return self._sync(partial(_candidates, keys=keys, namespace=namespace))
+
+    def recent_with_text(self, namespace: str, limit: int = 8) -> list[str]:
+        """Keys of the most recently used entries of `namespace` whose text was kept: the
+        conversations a miss is compared with (reading every entry's text would not scale)."""
+        return self._sync(lambda db: db.recent_with_text(namespace, limit))
+
+    def set_last_used(self, key: str, when: float) -> None:
+        """Tests and benchmarks: age an entry."""
+        self._sync(lambda db: db.set_last_used(key, when))
+
+    # --- the proxy: changes
 
     async def open_async(self) -> None:
-        """Create the directory, sweep what no commit covers, load the index."""
-        await self._in_thread((), self._open_dir, self._install)
+        """Create the directory, import old `.idx` records, sweep what no row covers."""
+        self.problems = await self._db(partial(self._open_in, sweep=True))
+        self.ready = True
         self._log_opened()
 
     async def commit_async(self, entry: Entry, temp: str) -> Entry:
         """Commit a finished save (see `StoreFiles.commit`); the committed entry.
         FileNotFoundError if the server wrote nothing under `temp`."""
-        old = self._forget(entry.key)  # its commit marker is the first thing to go on disk
-        work = partial(self.files.commit, entry, temp)
-        return await self._in_thread((entry.key,), work, partial(self._committed, temp, old))
+        key = entry.key
+        self._committing[key] = self._committing.get(key, 0) + 1
+        for seen in self._watchers:
+            seen.add(key)
+
+        async def run() -> Entry:
+            try:
+                return await self._commit_steps(entry, temp)
+            finally:
+                left = self._committing.pop(key) - 1
+                if left:
+                    self._committing[key] = left
+
+        return await self._serial((key,), run)
+
+    async def _commit_steps(self, entry: Entry, temp: str) -> Entry:
+        old = await self._db(lambda db: db.delete(entry.key))  # the commit marker goes first
+        committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
+        if committed is None:  # nothing changed on disk: the old entry is still good
+            if old is not None:
+                await self._db(lambda db: db.insert(old))
+            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
+        return await self._db(lambda db: db.insert(committed))
 
     async def touch_async(self, key: str, hits: int = 1) -> None:
-        """Record a use (for LRU across restarts)."""
-        record = self._record_use(key, hits)
-        if record is not None:
-            await self._in_thread((key,), partial(self.files.rewrite_record, key, record))
+        """Record a use (for LRU across restarts); an entry gone meanwhile stays gone."""
+        now = time.time()
+        await self._serial((key,), partial(self._db, lambda db: db.touch(key, now, hits)))
 
     async def remove_async(self, entry: Entry) -> None:
-        """Drop `entry`, if it is still the one indexed under its key (else whoever replaced or
-        forgot it has its files in hand)."""
-        if self.entries.get(entry.key) is entry:
-            self._forget(entry.key)
-            await self._in_thread((entry.key,), partial(self.files.delete, [entry.key]))
+        """Drop `entry`, if it is still the row indexed under its key (else whoever replaced
+        or removed it has its files in hand)."""
+
+        async def run() -> None:
+            row = await self._db(lambda db: db.delete(entry.key, entry.row_id or None))
+            if row is not None:
+                await asyncio.to_thread(self.files.delete, [row])
+
+        await self._serial((entry.key,), run)
+
+    async def select_victims_async(self, incoming: int = 0) -> list[Entry]:
+        """TTL first, then least recently used until the budget (plus `incoming`) fits:
+        indexed queries, stopping once the budget fits. The victims' rows are gone when this
+        returns; delete their files with `delete_files_async`. Entries pinned for a restore
+        stay; a victim whose key was committed again meanwhile is left out (its files are
+        the new commit's)."""
+        if self.ttl <= 0 and (
+            self.max_bytes <= 0 or self.summary.bytes + incoming <= self.max_bytes
+        ):
+            return []  # the summary is exact as of the last write: nothing to ask
+        pinned = frozenset(self._pinned)
+        seen = set(self._committing)
+        self._watchers.append(seen)
+        try:
+            now = time.time()
+            victims = await self._db(
+                lambda db: db.evict(now, self.ttl, self.max_bytes, pinned, incoming)
+            )
+        finally:
+            self._watchers.remove(seen)
+        return [v for v in victims if v.key not in seen]
 
     async def delete_files_async(self, victims: list[Entry]) -> None:
-        """Delete the files of entries `select_victims` took out of the index."""
+        """Delete the files of entries `select_victims_async` took out of the index."""
         keys = [e.key for e in victims]
-        await self._in_thread(keys, partial(self.files.delete, keys))
+        await self._serial(keys, partial(asyncio.to_thread, self.files.delete, victims))
 
-    async def forget_removed_async(self) -> list[str]:
-        """Forget entries whose commit marker someone else deleted (`kvproxy rm`, `gc`), so the
-        budget and gauges stay true; the keys forgotten."""
-        known = dict(self.entries)
-        work = partial(self.files.missing_records, list(known))
-        return await self._in_thread((), work, partial(self._forget_gone, known))
-
-    def _in_thread(
-        self,
-        keys: Iterable[str],
-        work: Callable[[], T],
-        then: Callable[[T], R] = _same,  # type: ignore[assignment]
-    ) -> asyncio.Future[R]:
-        """Run `work()` in a thread once the operations issued earlier on `keys` are done, then
-        `then(result)` on the loop. A task of its own that the caller's cancellation does not
-        reach: a request whose client hung up neither lets a later operation on these keys
-        overtake this one nor leaves the index behind the disk."""
+    def _serial(self, keys: Iterable[str], work: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
+        """Run `work()` once the operations issued earlier on `keys` are done. A task of its
+        own that the caller's cancellation does not reach: a request whose client hung up
+        neither lets a later operation on these keys overtake this one nor leaves the index
+        behind the disk."""
         keys = list(keys)
         earlier = {self._last_op[k] for k in keys if k in self._last_op}
-        task = asyncio.ensure_future(_after(earlier, work, then))
+        task = asyncio.ensure_future(_after(earlier, work))
         for k in keys:
             self._last_op[k] = task
         task.add_done_callback(partial(self._op_done, keys))
@@ -285,38 +294,104 @@ class Store:
             if self._last_op.get(k) is task:
                 del self._last_op[k]
 
-    # --- no event loop (kvproxy ls|rm|gc): index and files in the calling thread
+    # --- no event loop (kvproxy ls|rm|gc, tests): database and files in the calling thread
 
     def open(self) -> None:
-        """Create the directory, sweep what no commit covers, load the index."""
-        self._install(self._open_dir())
+        """Create the directory, import old `.idx` records, sweep what no row covers."""
+        self.problems = self._sync(partial(self._open_in, sweep=True))
+        self.ready = True
         self._log_opened()
 
     def open_readonly(self) -> list[tuple[str, str]]:
-        """Load the index without changing anything on disk, for `kvproxy ls|rm|gc` while a
-        proxy may be using the directory (a sweep could delete its save in flight). Returns
-        the (key, reason) of records skipped; FileNotFoundError when there is no cache dir."""
+        """Open the index without sweeping, for `kvproxy ls|rm|gc` while a proxy may be
+        using the directory (a sweep could delete its save in flight). Old `.idx` records are
+        imported (rows only add what they describe). Returns the (key, reason) of records
+        that could not be imported; FileNotFoundError when there is no cache dir."""
         if not self.root.is_dir():
             raise FileNotFoundError(f"no cache dir at {self.root}")
-        self._install(self.files.load(sweep=False))
+        self.problems = self._sync(partial(self._open_in, sweep=False))
+        self.ready = True
         return self.problems
 
-    def commit(self, entry: Entry, temp: str) -> Entry:
-        old = self._forget(entry.key)
-        return self._committed(temp, old, self.files.commit(entry, temp))
+    def _open_in(self, db: IndexDB, sweep: bool) -> list[tuple[str, str]]:
+        """The open's work, on the index thread: one directory scan and one pass over the
+        keys (start-up only), the import of old records in a few transactions."""
+        self.files.create()
+        if not sweep and db.get_meta("opened") is not None:
+            return []  # imported before: rows are the truth, no scan for the CLI
+        scanned: Scanned = self.files.scan(db.all_files(), sweep)
+        for i in range(0, len(scanned.imported), IMPORT_BATCH):
+            db.insert_many(scanned.imported[i : i + IMPORT_BATCH])
+        if scanned.imported:
+            log.info("imported %d entries from .idx records", len(scanned.imported))
+        # The rows are committed: the records they came from go (see drop_records).
+        good = {e.key for e in scanned.imported}
+        if sweep:
+            self.files.drop_records(scanned.records)
+        else:
+            self.files.drop_records(k for k in scanned.records if k in good)
+        for key in scanned.missing:  # state file gone (an older kvproxy swept it)
+            row = db.delete(key)
+            if row is not None and sweep:
+                self.files.delete([row])
+        if not scanned.problems:  # else a later open tries (and reports) them again
+            db.set_meta("opened", str(time.time()))
+        return scanned.problems
 
-    def remove(self, key: str) -> None:
-        """Drop an entry: the commit marker goes first."""
-        self._forget(key)
-        self.files.delete([key])
+    def commit(self, entry: Entry, temp: str) -> Entry:
+        if not (self.root / temp).exists():
+            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
+        old = self._sync(lambda db: db.delete(entry.key))
+        committed = self.files.commit(entry, temp, old)
+        if committed is None:
+            if old is not None:
+                self._sync(lambda db: db.insert(old))
+            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
+        return self._sync(lambda db: db.insert(committed))
+
+    def remove(self, key: str) -> Entry | None:
+        """Drop an entry: the row goes first, then its files."""
+        row = self._sync(lambda db: db.delete(key))
+        if row is not None:
+            self.files.delete([row])
+        return row
 
     def remove_damaged(self, key: str) -> None:
-        """Delete the files of a key that has no loadable entry (see `open_readonly`)."""
-        if is_key(key) and key not in self.entries:
-            self.files.delete([key])
+        """Delete the files of a key that has no row (see `open_readonly`)."""
+        if is_key(key) and not self._sync(lambda db: db.contains(key)):
+            self.files.delete_key(key)
+
+    def select_victims(
+        self, now: float | None = None, incoming: int = 0, dry_run: bool = False
+    ) -> list[Entry]:
+        """See `select_victims_async`; the caller deletes the files (`delete_files`). With
+        `dry_run`, the victims are only named: no row changes."""
+        when = time.time() if now is None else now
+        pinned = frozenset(self._pinned)
+        return self._sync(
+            lambda db: db.evict(when, self.ttl, self.max_bytes, pinned, incoming, dry_run)
+        )
+
+    def remove_many(self, entries: list[Entry]) -> list[Entry]:
+        """Drop entries (still as given) in one transaction, then their files; those dropped."""
+        rows = self._sync(lambda db: db.delete_many(entries))
+        self.files.delete(rows)
+        return rows
+
+    def listing(self, query: Listing) -> tuple[list[Entry], Totals]:
+        """See `IndexDB.listing`."""
+        return self._sync(lambda db: db.listing(query))
+
+    def with_prefix(self, prefix: str, limit: int = 50) -> list[Entry]:
+        """Entries whose key starts with the hex `prefix` (an index range)."""
+        return self._sync(lambda db: db.with_prefix(prefix, limit))
+
+    def all_entries(self) -> list[Entry]:
+        """Every entry, least recently used first (`kvproxy rm --all`)."""
+        return self._sync(lambda db: list(db.oldest()))
 
     def delete_files(self, entries: list[Entry]) -> None:
-        self.files.delete([e.key for e in entries])
+        self.files.delete(entries)
 
     # --- reads and temp clean-up: no index, any thread
 
@@ -335,17 +410,58 @@ class Store:
     def discard_temp(self, temp: str) -> None:
         self.files.discard_temp(temp)
 
-    def _open_dir(self) -> Loaded:
-        self.files.create()
-        return self.files.load(sweep=True)
-
     def _log_opened(self) -> None:
-        log.info("cache dir %s: %d entries, %s", self.root, len(self.entries), self.total_bytes)
+        n, size = self.summary.entries, self.summary.bytes
+        log.info("cache dir %s: %d entries, %d bytes", self.root, n, size)
 
 
-async def _after(
-    earlier: set[asyncio.Future[Any]], work: Callable[[], T], then: Callable[[T], R]
-) -> R:
+def _longest(db: IndexDB, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
+    return db.longest(keys, namespace)
+
+
+def _candidates(db: IndexDB, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
+    out: list[tuple[Entry, int]] = []
+    longest = db.longest(keys, namespace)
+    if longest is not None:
+        out.append(longest)
+    for entry, depth in db.ending_at(keys, namespace):
+        if longest is None or entry.key != longest[0].key:
+            out.append((entry, depth))
+    return out
+
+
+class _EntriesView(Mapping[str, Entry]):
+    """`Store.entries`: the rows, read in the calling thread."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __getitem__(self, key: str) -> Entry:
+        found = self._store._sync(lambda db: db.get(key))
+        if found is None:
+            raise KeyError(key)
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._store._sync(lambda db: db.contains(key))
+
+    def __len__(self) -> int:
+        return self._store._sync(lambda db: db.totals().entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([e.key for e in self._all()])
+
+    def _all(self) -> list[Entry]:
+        return self._store._sync(lambda db: list(db.oldest()))
+
+    def values(self) -> list[Entry]:  # type: ignore[override]
+        return self._all()
+
+    def items(self) -> list[tuple[str, Entry]]:  # type: ignore[override]
+        return [(e.key, e) for e in self._all()]
+
+
+async def _after(earlier: set[asyncio.Future[Any]], work: Callable[[], Awaitable[T]]) -> T:
     if earlier:
         await asyncio.wait(earlier)
-    return then(await asyncio.to_thread(work))
+    return await work()
