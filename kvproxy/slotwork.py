@@ -131,12 +131,7 @@ class SlotWork:
         except UpstreamError as exc:
             await self._save_failed(started, temp)
             if exc.status == 501:
-                self.backend.disk_enabled = False
-                log.warning(
-                    "llama-server has no --slot-save-path: disk cache off (start it with "
-                    "--slot-save-path %s)",
-                    self.settings.cache_dir,
-                )
+                self._no_slot_actions()
             else:
                 self._disk_error(f"save of slot {slot.id} failed: {exc}")
             return False
@@ -163,6 +158,14 @@ class SlotWork:
         )
         await self.evict()
         return True
+
+    def _no_slot_actions(self) -> None:
+        self.backend.disk_enabled = False
+        log.warning(
+            "llama-server has no --slot-save-path: disk cache off (start it with "
+            "--slot-save-path %s)",
+            self.settings.cache_dir,
+        )
 
     async def _save_failed(self, started: float, temp: str) -> None:
         seconds = time.perf_counter() - started
@@ -272,10 +275,19 @@ class SlotWork:
         prefix of what a slot holds, and `timings.cache_n` would tell the newcomer that the
         other tenant sent the same text. Raises UpstreamError when the erase fails: the
         request must not go."""
-        if slot.occupant in (tenant, NOBODY):
+        if slot.occupant in (tenant, NOBODY) or not self.backend.disk_enabled:
+            # A server that refuses slot actions cannot erase either: it serves as it would
+            # without kvproxy, whose pinning picks no slot the server would not reuse anyway.
             slot.occupant = tenant
             return
-        await self.client.erase(slot.id)
+        try:
+            await self.client.erase(slot.id)
+        except UpstreamError as exc:
+            if exc.status != 501:
+                raise
+            self._no_slot_actions()
+            slot.occupant = tenant
+            return
         slot.forget()
         slot.occupant = tenant
 

@@ -4,6 +4,8 @@ another tenant's tokens is erased before the request goes, so the server cannot 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 
 from kvproxy.testing.fakeserver import FakeLlamaServer, render_chat
@@ -103,3 +105,22 @@ async def test_a_state_restored_into_a_slot_no_task_ran_on_is_not_taken_for_empt
             await again.stop()
     finally:
         await again_fake.stop()
+
+
+async def test_a_server_without_slot_actions_serves_every_tenant_as_it_would_alone(
+    tmp_path: Path,
+) -> None:
+    """No --slot-save-path: the server refuses slot actions, erase included (501). kvproxy
+    cannot erase, so it forwards as the server alone would serve, never an error."""
+    fake = FakeLlamaServer(slot_save_path=None)
+    await fake.start()
+    proxy = await start_proxy(fake.url, tmp_path)
+    try:
+        for headers in (ALICE, BOB, ALICE, {"Authorization": "Bearer carol"}):
+            status, body, _ = await chat(proxy, conv(1), headers=headers)
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"]
+        assert not any(a[0] == "erase" and a[-1] for a in fake.actions)
+    finally:
+        await proxy.stop()
+        await fake.stop()
