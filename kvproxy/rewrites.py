@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .keys import UnkeyableRequest, canonical_message
+from .keys import UnkeyableRequest, canonical_message, shared_prefix
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -106,32 +106,14 @@ def observe(ours: Sequence[Any], theirs: Sequence[Any], first: int) -> Rewrite |
         return None
     if not all(_same(ours[j], theirs[j]) for j in range(first + 1, n)):
         return None
-    head = _common_head(content, got)
-    tail = _common_tail(content[head:], got[head:])
+    head = shared_prefix(content, got)
+    tail = shared_prefix(content[head:][::-1], got[head:][::-1])
     if head + tail != len(got):
         return None
     removed = content[head : len(content) - tail]
     if MIN_TEXT <= len(removed) <= MAX_CUT and content.replace(removed, "", 1) == got:
         return Rewrite(Kind.CUT, role, removed)
     return None
-
-
-def _common_head(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _common_tail(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(reversed(a), reversed(b), strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def rewrite(rewrites: Sequence[Rewrite], messages: Sequence[Any]) -> list[Any]:
