@@ -207,11 +207,13 @@ def expand(word: str, env: dict[str, str]) -> list[str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until caching is on: /health answers while the cache dir opens (requests are then
+    served uncached) and before kvproxy has found its llama-server."""
     for _ in range(600):
         assert proc.poll() is None, log.read_text()[-3000:]
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
+            with urllib.request.urlopen(url + "/kvproxy/stats", timeout=2) as resp:
+                if resp.status == 200 and json.loads(resp.read()).get("enabled"):
                     return
         except OSError:
             pass

@@ -77,12 +77,17 @@ def run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.Comple
 
 
 async def take_both_slots(url: str) -> None:
-    """Two other conversations: whatever the slots held goes to disk (or is lost, direct)."""
+    """Three other conversations at once take both slots: whatever the slots held goes to
+    disk (or is lost, direct). One after another, kvproxy may keep the agent's long state
+    and give the others the same slot."""
+
+    async def one(s: aiohttp.ClientSession, n: int) -> None:
+        body = {"messages": first_turn(n, n_facts=30), "max_tokens": 4, "temperature": 0}
+        async with s.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+
     async with aiohttp.ClientSession() as s:
-        for n in (101, 102):
-            body = {"messages": first_turn(n, n_facts=30), "max_tokens": 4, "temperature": 0}
-            async with s.post(url + "/v1/chat/completions", json=body) as r:
-                assert r.status == 200, await r.text()
+        await asyncio.gather(*(one(s, n) for n in (101, 102, 103)))
 
 
 @pytest.fixture
