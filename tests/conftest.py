@@ -230,7 +230,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def real_server(real_server_dir: Path) -> Iterator[RealServer]:
+def shared_real_server(real_server_dir: Path) -> Iterator[RealServer]:
     """One Gemma 3 270M llama-server for the session: -np 2, --cache-ram 0, --swa-full."""
     cache = real_server_dir / "shared-cache"
     cache.mkdir(mode=0o700)
@@ -239,3 +239,16 @@ def real_server(real_server_dir: Path) -> Iterator[RealServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def real_server(shared_real_server: RealServer) -> RealServer:
+    """The session's server with an empty cache dir: a proxy recalls the conversations it
+    finds there that were used in the last minutes as live ones, so what an earlier test
+    left would change this test's saves."""
+    for path in shared_real_server.cache_dir.iterdir():
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return shared_real_server

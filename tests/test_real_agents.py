@@ -30,6 +30,8 @@ pytestmark = pytest.mark.real
 CTX_PER_SLOT = 32768
 # Neither client lets the server stop early on its own: keep replies short.
 MAX_OUTPUT = "64"
+# Claude Code's system prompt and tools alone are over 4k tokens of the bundled model's.
+SESSION_TOKENS = 3000
 
 
 @dataclass
@@ -144,9 +146,14 @@ async def test_claude_code_turns_come_back_after_other_conversations(
     turn2 = recorder.take()
     table("Claude Code", [("1", turn1), ("2 (after 2 others)", turn2)])
     assert turn2, later.stdout + later.stderr
-    assert turn2[0].decision == "restored", turn2
-    assert all(t.decision in ("restored", "resident") for t in turn2), turn2
-    assert all(t.cached >= 0.95 for t in turn2), turn2
+    # Claude Code may send a short side request of its own (a new ~700-token prompt, not
+    # this conversation) before or beside the turn; the turn is the requests that carry
+    # the session's ~4k-token prompt.
+    session = [t for t in turn2 if t.cache_n + t.prompt_n >= SESSION_TOKENS]
+    assert session, turn2
+    assert session[0].decision == "restored", turn2
+    assert all(t.decision in ("restored", "resident") for t in session), turn2
+    assert all(t.cached >= 0.95 for t in session), turn2
 
 
 def codex_config(home: Path, base_url: str) -> None:
