@@ -64,12 +64,17 @@ class Prepared:
     restored_tokens: int = 0
     restore_ms: float = 0.0
     expected_n: int | None = None  # tokens the decision expects the server to reuse
+    # Tokens kvproxy had the server evaluate for the request before forwarding it (an
+    # opening to save on the way): the reply's cache_n counts them, prefilled meanwhile.
+    evaluated: int = 0
 
     def headers(self) -> dict[str, str]:
         out = {"X-KVProxy-Cache": self.decision.value}
         if self.decision is Decision.RESTORED:
             out["X-KVProxy-Restored-Tokens"] = str(self.restored_tokens)
             out["X-KVProxy-Restore-Ms"] = f"{self.restore_ms:.1f}"
+        if self.evaluated:
+            out["X-KVProxy-Evaluated-Tokens"] = str(self.evaluated)
         return out
 
 
@@ -218,7 +223,8 @@ class Conversations:
             duration_s=time.perf_counter() - started,
             restored_tokens=prepared.restored_tokens,
             restore_ms=prepared.restore_ms,
-            cache_n=_int_or_none(timings.get("cache_n")),
+            # What came from a cache: not the tokens kvproxy had evaluated on the way.
+            cache_n=_less(_int_or_none(timings.get("cache_n")), prepared.evaluated),
             prompt_n=_int_or_none(timings.get("prompt_n")),
             prompt_ms=_float_or_none(timings.get("prompt_ms")),
             expected_n=prepared.expected_n,
@@ -270,7 +276,10 @@ class Conversations:
             if not self.habits.echo.known(conv.namespace):
                 self.background.spawn(self._learn_from_disk(entry, found[1], conv))
             n = outcome.n_restored
-            return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n)
+            # A new session restored from a shorter opening than the one it shares (seen
+            # since): that one is saved on the way, for the sessions after it.
+            evaluated = await self.openings.prefill(slot, conv, start=found[1])
+            return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n, evaluated=evaluated)
         if move is Move.USE_RESIDENT:
             held = slot.holding
             if held is not None and resident < len(held.chain) and await self.openings.wanted(held):
@@ -297,8 +306,8 @@ class Conversations:
             await self.work.verify(slot)
             await self.openings.before_reassign(slot, conv)
         await self.work.admit(slot, conv.tenant)
-        await self.openings.prefill(slot, conv)
-        return MISS
+        evaluated = await self.openings.prefill(slot, conv)
+        return Prepared(Decision.MISS, evaluated=evaluated) if evaluated else MISS
 
     async def _lookup(self, conv: Conversation) -> tuple[Entry, int] | None:
         # The entry the server will reuse most, by the model class's rule (openings.py).
@@ -428,6 +437,10 @@ class Conversations:
 
 def _int_or_none(value: Any) -> int | None:
     return int(value) if isinstance(value, int | float) else None
+
+
+def _less(value: int | None, minus: int) -> int | None:
+    return None if value is None else max(0, value - minus)
 
 
 def _float_or_none(value: Any) -> float | None:

@@ -16,7 +16,9 @@ back), in `prepare`, at three points:
 - a request starting cold that passes through a wanted opening (`prefill`): the opening's
   canonical tokens are evaluated first (`/completion`, `n_predict: 0`) and saved; the request
   then extends them on the live slot. Cost: one save of the opening, no extra prefill. This
-  is where an agent's first session leaves its system prompt.
+  is where an agent's first session leaves its system prompt. The same when the request
+  starts from a restored opening shorter than one it passes through (Codex: the second
+  session restores the instructions and shows the context message after them is shared too).
 - a new session or branch landing on the live slot of a conversation it parts from
   (after that conversation's own save): the slot is cut back to the opening (the server
   keeps the common prefix, evaluates nothing) and saved; the request is served from it.
@@ -167,30 +169,43 @@ class Openings:
             return  # cutting back would re-evaluate the opening for a request that needs none
         if not resident_serves(rule, depth, held.restored_depth, held.n_tokens):
             return  # a restored state that cannot be cut back
-        if not await self.make(slot, depth):
+        if await self.make(slot, depth) is None:
             self._failed[held.chain[depth - 1]] = None
             while len(self._failed) > 1024:
                 del self._failed[next(iter(self._failed))]
 
-    async def prefill(self, slot: Slot, conv: Conversation) -> None:
-        """A request that starts cold on `slot` (ours, verified, its content saved if worth
-        it) and passes through a wanted opening: evaluate the opening first and save it; the
-        request then extends it on the live slot, so this costs it one save, no prefill."""
+    async def prefill(self, slot: Slot, conv: Conversation, start: int = 0) -> int:
+        """A request about to run on `slot` (ours, verified, its content saved if worth it)
+        from the first `start` boundaries the slot holds (0: cold), that passes through a
+        wanted opening deeper than those: evaluate up to the opening first and save it; the
+        request then extends it on the live slot, so this costs it one save, no prefill.
+        Returns the tokens evaluated (the server counts them in the request's cache_n)."""
         if not self.backend.disk_enabled or len(conv.keys) < 2:
-            return
+            return 0
         held = Holding(conv.namespace, list(conv.keys), 0, len(conv.messages), conv.messages)
         held.template = dict(conv.template)
         held.n_tokens = 1 << 62  # not known before the prompt is tokenised; no bound
         depth = await self.wanted(held)
-        if depth == 0:
-            return
+        if depth <= start:
+            return 0
         await self.work.verify(slot)  # slot actions follow: the slot must be idle
-        slot.hold(held, saved=True)  # what the slot held is on disk or not worth keeping
-        if not await self.make(slot, depth):
-            slot.forget()
+        before = slot.holding
+        # What the slot held is on disk (or not worth keeping); from `start` on it is this
+        # request's (hold keeps the restored part's depth).
+        slot.hold(held, saved=True)
+        evaluated = await self.make(slot, depth)
+        if evaluated is None:
             self._failed[conv.keys[depth - 1]] = None
+            if slot.holding is held and before is not None and start:
+                slot.hold(before, saved=True)  # nothing was evaluated: it holds what it did
+            elif slot.holding is held:
+                slot.forget()
+            return 0
+        return evaluated
 
-    async def make(self, slot: Slot, depth: int) -> bool:
+    async def make(self, slot: Slot, depth: int) -> int | None:
+        """Make the slot hold the opening at `depth` and save it: the tokens the server
+        evaluated for it, or None when it was not made."""
         held = slot.holding
         assert held is not None
         started = time.perf_counter()
@@ -203,16 +218,16 @@ class Openings:
             )
         except (UpstreamError, ValueError) as exc:
             log.debug("no opening for %s: %s", held.key[:12], exc)
-            return False
+            return None
         if not tokens or len(tokens) < self.settings.min_tokens or len(tokens) > held.n_tokens:
-            return False
+            return None
         slot.mark_started()
         try:
-            await self.work.client.evaluate(slot.id, tokens)
+            timings = await self.work.client.evaluate(slot.id, tokens)
         except UpstreamError as exc:
             log.warning("cutting slot %d to its opening failed: %s", slot.id, exc)
             await self.work.verify(slot)
-            return False
+            return None
         opening = Holding(
             held.namespace,
             held.chain[:depth],
@@ -234,7 +249,10 @@ class Openings:
             "saved" if saved else "not saved",
             (time.perf_counter() - started) * 1000,
         )
-        return saved
+        evaluated = timings.get("prompt_n")
+        if not saved:
+            return None
+        return evaluated if isinstance(evaluated, int) and evaluated > 0 else 0
 
 
 def _long_system(messages: list[object]) -> bool:

@@ -165,3 +165,50 @@ async def test_an_observed_opening_is_made_when_a_new_session_lands_on_the_slot(
     assert body["timings"]["cache_n"] >= system_tokens(short)
     chains = sorted(len(e.chain) for e in proxy.cache.store.entries.values())
     assert chains == [1, 5], "the opening, and the first session kept"
+
+
+@pytest.mark.parametrize(
+    ("reuse", "model_class", "n_swa"),
+    [("window", "swa", 1024), ("extend", "recurrent", 0)],
+)
+async def test_a_deeper_shared_opening_is_saved_on_the_way_from_a_shorter_one(
+    make: Maker, reuse: str, model_class: ModelClass, n_swa: int
+) -> None:
+    """Codex's shape: a long system prompt (presumed an opening) and a context message every
+    session repeats. The second session restores the system prompt's opening and shows the
+    context is shared too: kvproxy evaluates through the context and saves that opening
+    before the request extends it (saying so), so the third session restores it all."""
+    fake, proxy = await make({"reuse": reuse, "window": n_swa // 2 or 512, "n_ctx": 16384})
+    context = {"role": "user", "content": "<environment_context>cwd /w " + "x " * 300}
+
+    def codex(n: int) -> list[dict]:
+        return [session(n)[0], context, {"role": "user", "content": f"task {n}"}]
+
+    async def crowd(n: int) -> None:
+        for other in ("X", "Y"):
+            await chat(proxy, session(n, f"Other system {other}{n}. " + "pad " * 100))
+        await settle(proxy)
+
+    _, r, h = await chat(proxy, codex(1))
+    as_class(proxy, model_class, n_swa)
+    assert "X-KVProxy-Evaluated-Tokens" in h, "the system prompt's opening, on the way"
+    await crowd(1)
+    system_only = system_tokens()
+
+    status, body, h = await chat(proxy, codex(2))
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    restored = int(h["X-KVProxy-Restored-Tokens"])
+    assert system_only <= restored < system_only + 100  # + the next message's markup
+    evaluated = int(h["X-KVProxy-Evaluated-Tokens"])
+    assert evaluated >= len(context["content"])
+    assert body["timings"]["cache_n"] >= restored + evaluated
+    await settle(proxy)
+    depths = sorted(len(e.chain) for e in proxy.cache.store.entries.values() if len(e.chain) < 3)
+    assert depths == [1, 2], proxy.cache.store.entries
+    await crowd(2)
+
+    status, body, h = await chat(proxy, codex(3))
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    assert int(h["X-KVProxy-Restored-Tokens"]) >= restored + evaluated
+    assert "X-KVProxy-Evaluated-Tokens" not in h
+    assert body["timings"]["cache_n"] >= restored + evaluated

@@ -57,6 +57,9 @@ RESTART = Step(Action.RESTART)
 AFTER_EVICTION = "2 (after eviction)"
 AFTER_RESTART = "3 (after restart)"
 NEW_AFTER_EVICTION = "new session (after eviction)"
+# A request sharing fewer tokens than kvproxy's default --min-tokens with anything earlier
+# has nothing a cache should bring back: not judged.
+WORTH_JUDGING = 256
 NEW_AFTER_RESTART = "new session (after restart)"
 PLAN = (
     Step(Action.TURN, "1", 1, True, "Say hi."),
@@ -98,6 +101,7 @@ class Row:
     prompt_n: int
     ideal: int | None  # None: nothing earlier to reuse (the first request)
     error: str | None = None
+    evaluated: int = 0  # X-KVProxy-Evaluated-Tokens: in cache_n, prefilled meanwhile
 
     @property
     def presented(self) -> int:
@@ -204,6 +208,7 @@ async def _run_plan(
                 record.prompt_n,
                 ideal,
                 record.error,
+                record.evaluated,
             )
             result.rows.append(row)
             progress(
@@ -272,11 +277,10 @@ UNCACHED = frozenset({"miss", "bypass"})
 
 
 def credited(r: Row) -> int:
-    """What the cache served. On kvproxy's `miss` the server's cache_n may be high all the
-    same: before forwarding a miss whose system prompt is long, kvproxy evaluates the shared
-    opening on the slot itself (to save it as an opening entry), and the server then counts
-    those tokens as reused; they were prefilled within this request's time. Counted as 0."""
-    return 0 if r.decision in UNCACHED else r.cache_n
+    """What the cache served. The server's cache_n also counts what kvproxy had it evaluate
+    on the way (X-KVProxy-Evaluated-Tokens: an opening, saved before the request extends it),
+    prefilled within this request's time: not credited. A `miss` is credited 0."""
+    return 0 if r.decision in UNCACHED else max(0, r.cache_n - r.evaluated)
 
 
 def _ratio(r: Row | None) -> str | None:
@@ -341,6 +345,11 @@ def markdown(result: AgentsResult) -> str:
             "the slot just before (to save it); prefilled within the request, so % of ideal "
             "counts 0."
         )
+    if any(r.evaluated and r.decision not in UNCACHED for r in result.rows):
+        notes.append(
+            "- rows with tokens kvproxy evaluated on the way (a deeper opening, saved before "
+            "the request extends it): the server's cache_n counts them; % of ideal does not."
+        )
     notes += [f"- {LABELS[c]}: {why}" for c, why in result.skipped.items()]
     notes += [f"- {f}" for f in result.failures]
     notes += [
@@ -373,9 +382,13 @@ def checks(result: AgentsResult) -> list[Check]:
     opts = AgentsOptions(**result.options)
     if KVPROXY not in opts.arms:
         return []
-    # The first request of a turn is the one that meets the eviction or the restart (Claude
-    # Code's continuations of a cut reply are resident after it).
-    first = {(r.client, r.arm, r.turn): r for r in result.rows if r.request == 1}
+    # The first request of a turn with something to reuse is the one that meets the eviction
+    # or the restart (Claude Code's continuations of a cut reply are resident after it; a
+    # new Claude Code session opens with a prompt that shares ~30 tokens with the others).
+    first: dict[tuple[str, str, str], Row] = {}
+    for row in result.rows:
+        if row.ideal is not None and row.ideal >= WORTH_JUDGING:
+            first.setdefault((row.client, row.arm, row.turn), row)
     out = []
     for client in dict.fromkeys(r.client for r in result.rows):
         for turn, bar in [*((t, 0.99) for t in LATER), *((t, 0.95) for t in NEW_SESSIONS)]:

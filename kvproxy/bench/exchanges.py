@@ -19,6 +19,7 @@ from ..wire.responses import ResponsesAdapter, ResponsesCapture
 from .tap import Exchange
 
 CACHE_HEADER = "X-KVProxy-Cache"
+EVALUATED_HEADER = "X-KVProxy-Evaluated-Tokens"
 DIRECT = "—"  # no kvproxy in the path: no decision
 
 
@@ -34,6 +35,7 @@ class Record:
     prompt_n: int
     status: int
     error: str | None = None
+    evaluated: int = 0  # tokens kvproxy had evaluated on the way (in cache_n, not cached)
 
     @property
     def presented(self) -> int:
@@ -75,7 +77,12 @@ def read(exchange: Exchange) -> Record:
         int(timings.get("prompt_n", 0)),
         exchange.status,
         error,
+        _int_header(exchange.headers.get(EVALUATED_HEADER)),
     )
+
+
+def _int_header(value: str | None) -> int:
+    return int(value) if value is not None and value.isdigit() else 0
 
 
 def _reply(
