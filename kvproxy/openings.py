@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from . import canonical
 from .backend import Backend
 from .config import Settings
+from .habits import worth_comparing
 from .policy import (
     ReuseRule,
     StoredView,
@@ -116,17 +117,19 @@ class Openings:
             stored = picked[1][0] if picked[1] else None
         else:
             stored = await self.store.lookup_async(conv.keys, conv.namespace)
-        best, extends = 0, False
+        best, extends, depth = 0, False, 0
         for slot in pool.holding_namespace(conv.namespace):
             held = slot.holding
             assert held is not None
             shared = slot.shared_depth(conv.keys, conv.namespace)
             if shared > best or (shared == best and shared == len(held.chain)):
-                best, extends = shared, shared == len(held.chain)
+                best, extends, depth = shared, shared == len(held.chain), len(held.chain)
         if stored is not None:
             entry, shared = stored
             if shared > best or (shared == best and shared == len(entry.chain)):
-                best, extends = shared, shared == len(entry.chain)
+                best, extends, depth = shared, shared == len(entry.chain), len(entry.chain)
+        if worth_comparing(depth, len(conv.keys), best):
+            return  # parts near the end, going on: a client's rewrite (habits.py), no branch
         if best and not extends and best < len(conv.keys):
             self._note(conv.namespace, conv.keys[best - 1], best)
 

@@ -64,10 +64,18 @@ class Rewrite:
 
 
 def _text(message: Any) -> str | None:
+    """The message's text: its content, or its text parts joined (OpenClaw sends its
+    context message as a list of parts)."""
     if not isinstance(message, Mapping):
         return None
     content = message.get("content")
-    return content if isinstance(content, str) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = [p.get("text") for p in content if isinstance(p, Mapping)]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(t for t in texts if isinstance(t, str))
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -100,6 +108,7 @@ def observe(ours: Sequence[Any], theirs: Sequence[Any], first: int) -> Rewrite |
     if (
         len(theirs) <= n
         or got is None
+        or not isinstance(mine.get("content"), str)  # a cut is applied to plain text only
         or theirs[first].get("role") != role
         or len(got) >= len(content)
     ):

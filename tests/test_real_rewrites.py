@@ -21,9 +21,11 @@ REMINDER = "\n\nTo suggest changes to a file you MUST return the entire content 
 
 
 def openclaw(t: int) -> tuple[list[dict], list[dict]]:
-    """(what the request adds, what stays in the history after it)."""
+    """(what the request adds, what stays in the history after it). The context message as
+    OpenClaw 2026.9.6 sends it: a list of text parts."""
     ask = {"role": "user", "content": f"Tell me fact {t}."}
-    return [ask, {"role": "user", "content": CONTEXT.format(t=t)}], [ask]
+    context = {"role": "user", "content": [{"type": "text", "text": CONTEXT.format(t=t)}]}
+    return [ask, context], [ask]
 
 
 def aider(t: int) -> tuple[list[dict], list[dict]]:

@@ -55,6 +55,20 @@ def test_a_dropped_context_message_is_learnt_and_applied() -> None:
     ]
 
 
+def test_a_dropped_context_message_in_text_parts_is_learnt() -> None:
+    """OpenClaw 2026.9.6 sends its context message as a list of text parts."""
+
+    def parts(turn: int) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "text", "text": CONTEXT.format(t=turn)}]}
+
+    ours = [SYSTEM, user("q1"), parts(1), assistant("a1")]
+    theirs = [SYSTEM, user("q1"), assistant("a1"), user("q2"), parts(2)]
+    found = observe(ours, theirs, 2)
+    assert found == Rewrite(Kind.DROP, "user", "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>")
+    recorded = [*theirs, assistant("a2")]
+    assert rewrite([found], recorded) == [*theirs[:4], assistant("a2")]
+
+
 def test_a_stripped_reminder_is_learnt_and_applied() -> None:
     ours = [SYSTEM, user("fix it" + REMINDER), assistant("done")]
     theirs = [SYSTEM, user("fix it"), assistant("done"), user("again" + REMINDER)]
