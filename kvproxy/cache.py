@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import habitfile
 from .backend import Backend
 from .config import Settings
 from .conversations import Conversations
@@ -71,6 +72,7 @@ class ConversationCache:
         )
         self._housekeeper: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
+        self._habits_written = 0  # habits.changes when they were last written out
 
     # --- what the scrape and the stats read
 
@@ -132,6 +134,8 @@ class ConversationCache:
             started.set()
             return
         log.info("cache dir open in %.2f s", time.perf_counter() - began)
+        self.habits.load(await asyncio.to_thread(habitfile.read, self.store.root))
+        self._habits_written = self.habits.changes
         window = self.settings.live_window
         if window > 0:
             self.warmer.recall(await self.store.used_since_async(time.time() - window))
@@ -169,7 +173,20 @@ class ConversationCache:
                     finally:
                         self.pool.release(got)
         await self.background.wait()
+        await self.write_habits()
         await asyncio.to_thread(self.store.close)
+
+    async def write_habits(self) -> None:
+        """Write what the clients were seen to do, when something new was learnt."""
+        changes = self.habits.changes
+        if changes == self._habits_written or not self.store.ready:
+            return
+        try:
+            await asyncio.to_thread(habitfile.write, self.store.root, self.habits.to_json())
+        except OSError as exc:
+            log.warning("cannot write %s: %s", habitfile.NAME, exc)
+            return
+        self._habits_written = changes
 
     # --- housekeeping
 
@@ -183,6 +200,7 @@ class ConversationCache:
                 else:
                     await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
                 await self.work.evict()
+                await self.write_habits()
                 if self.enabled:
                     self.warmer.kick()
             except UpstreamError as exc:

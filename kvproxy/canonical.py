@@ -149,9 +149,20 @@ class EchoStyles:
 
     def __init__(self) -> None:
         self._styles: dict[str, str] = {}
+        self.changes = 0  # how many times a style was learnt or changed
 
     def get(self, namespace: str) -> str | None:
         return self._styles.get(namespace)
+
+    def to_json(self) -> dict[str, str]:
+        return dict(self._styles)
+
+    def load(self, data: Any) -> None:
+        """Styles written by `to_json` (anything else is skipped)."""
+        if isinstance(data, Mapping):
+            self._styles.update(
+                (ns, style) for ns, style in data.items() if isinstance(ns, str) and style in _TRIMS
+            )
 
     def known(self, namespace: str) -> bool:
         return namespace in self._styles
@@ -163,5 +174,6 @@ class EchoStyles:
         if n == 0 or len(theirs) < n:
             return
         style = observe_echo(ours[-1], theirs[n - 1])
-        if style is not None:
+        if style is not None and self._styles.get(namespace) != style:
             self._styles[namespace] = style
+            self.changes += 1

@@ -35,6 +35,20 @@ class Habits:
             return False
         return self.rewrites.learn(namespace, ours, theirs, shared) is not None
 
+    @property
+    def changes(self) -> int:
+        """Grows whenever something was learnt: the cue to write them out (habitfile.py)."""
+        return self.echo.changes + self.rewrites.changes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": 1, "echo": self.echo.to_json(), "rewrites": self.rewrites.to_json()}
+
+    def load(self, data: Any) -> None:
+        """What `to_json` wrote, from an earlier run (anything else is skipped)."""
+        if isinstance(data, dict) and data.get("version") == 1:
+            self.echo.load(data.get("echo"))
+            self.rewrites.load(data.get("rewrites"))
+
     def next_messages(self, namespace: str, messages: Sequence[Any]) -> list[Any]:
         """The conversation as its client will send it in its next request."""
         rules = self.rewrites.get(namespace)

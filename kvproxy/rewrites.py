@@ -146,9 +146,34 @@ class Rewrites:
 
     def __init__(self) -> None:
         self._seen: dict[str, list[Rewrite]] = {}
+        self.changes = 0  # how many times a rule was learnt (habits.py writes them out)
 
     def get(self, namespace: str) -> list[Rewrite]:
         return self._seen.get(namespace, [])
+
+    def to_json(self) -> dict[str, list[list[str]]]:
+        return {
+            ns: [[r.kind.value, r.role, r.text] for r in rules] for ns, rules in self._seen.items()
+        }
+
+    def load(self, data: Any) -> None:
+        """Rules written by `to_json` (anything else is skipped)."""
+        if not isinstance(data, Mapping):
+            return
+        for ns, rules in data.items():
+            if not isinstance(ns, str) or not isinstance(rules, list):
+                continue
+            kept = [
+                Rewrite(Kind(r[0]), r[1], r[2])
+                for r in rules
+                if isinstance(r, list)
+                and len(r) == 3
+                and r[0] in (k.value for k in Kind)
+                and all(isinstance(x, str) for x in r)
+                and len(r[2]) >= MIN_TEXT
+            ]
+            if kept:
+                self._seen[ns] = kept[-PER_NAMESPACE:]
 
     def learn(
         self, namespace: str, ours: Sequence[Any], theirs: Sequence[Any], first: int
@@ -160,6 +185,7 @@ class Rewrites:
         if found not in known:
             known.append(found)
             del known[:-PER_NAMESPACE]
+            self.changes += 1
             log.info(
                 "learnt a client habit: it %s %s; saves now store what it sends next",
                 "drops the previous turn's message starting"

@@ -7,15 +7,19 @@ the next turn extends the state exactly: with the fake's recurrent-model rule
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import Any
 
+import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvproxy import habitfile
 from kvproxy.habits import Habits
 from kvproxy.rewrites import Kind, Rewrite, Rewrites, observe, rewrite
 
-from .conftest import Maker, RunningProxy
+from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import render_chat
 from .test_cache import chat, settle
 
@@ -196,3 +200,57 @@ async def test_aider_reminder_is_stripped_and_later_turns_extend_the_saved_state
         history = [*history, user(f"change {t}"), reply_of(body)]
     for decision, n, limit in seen[1:]:
         assert decision == "restored" and n <= limit, seen
+
+
+async def test_a_restarted_proxy_remembers_the_habit_from_its_first_save(make: Maker) -> None:
+    """The habit is kept in the cache dir: after a restart, the first state saved is already
+    the one the client's next request extends (without it, turn 4 would part from it)."""
+    fake, proxy = await make(server={"reuse": "extend"})
+    cache = proxy.cache.store.root
+    body, _ = await turn(proxy, [SYSTEM, user("q1"), ctx(1)])
+    history = [SYSTEM, user("q1"), reply_of(body)]
+    await crowd_out(proxy, 1)
+    body, _ = await turn(proxy, [*history, user("q2"), ctx(2)])  # shows the habit
+    history = [*history, user("q2"), reply_of(body)]
+    await proxy.stop()
+    saved = orjson.loads((cache / habitfile.NAME).read_bytes())
+    assert saved["rewrites"], saved
+    assert (cache / habitfile.NAME).stat().st_mode & 0o777 == 0o600
+
+    proxy = await start_proxy(fake.url, cache)
+    try:
+        seen = []
+        for t in (3, 4):
+            new = [user(f"q{t}"), ctx(t)]
+            body, headers = await turn(proxy, [*history, *new])
+            seen.append((headers["X-KVProxy-Cache"], body["timings"]["prompt_n"], bound(*new)))
+            history = [*history, new[0], reply_of(body)]
+            await crowd_out(proxy, t)
+        for decision, n, limit in seen:
+            assert decision == "restored" and n <= limit, seen
+    finally:
+        await proxy.stop()
+
+
+def test_habits_survive_their_file_and_nothing_else_is_read(tmp_path: Path) -> None:
+    habits = Habits()
+    ours = [SYSTEM, user("q1"), ctx(1), assistant(" a1 ")]
+    assert habits.learn("ns", ours, [SYSTEM, user("q1"), assistant("a1"), user("q2"), ctx(2)], 2)
+    habits.echo.learn("ns", ours[:2] + ours[3:], [SYSTEM, user("q1"), assistant("a1")])
+    habitfile.write(tmp_path, habits.to_json())
+    again = Habits()
+    again.load(habitfile.read(tmp_path))
+    assert again.rewrites.get("ns") == habits.rewrites.get("ns") != []
+    assert again.echo.get("ns") == habits.echo.get("ns") == "strip"
+    for junk in (
+        b"{not json",
+        b'{"version": 9, "rewrites": {"ns": [["drop", "user", "xxxxxxxxx"]]}}',
+        b'{"version": 1, "rewrites": {"ns": [["zap", "user", "xxxxxxxxx"], 3]}, "echo": {"ns": 5}}',
+    ):
+        (tmp_path / habitfile.NAME).write_bytes(junk)
+        fresh = Habits()
+        fresh.load(habitfile.read(tmp_path))
+        assert fresh.rewrites.get("ns") == [] and fresh.echo.get("ns") is None
+    (tmp_path / habitfile.NAME).unlink()
+    os.mkfifo(tmp_path / habitfile.NAME)  # never blocks, never read
+    assert habitfile.read(tmp_path) is None
