@@ -54,6 +54,9 @@ log = logging.getLogger("kvproxy.cache")
 # request, never a wrong answer (the server compares tokens); checking costs a round trip on
 # every request. Slot actions always check first.
 SNAPSHOT_TRUST = 1.0
+# A turn adds a user message, or a user message and a context message (OpenClaw), or tool
+# results: a request adding more than this to what its slot holds is looked up on disk too.
+NEW_MESSAGES_A_TURN = 4
 
 
 @dataclass(frozen=True)
@@ -257,8 +260,13 @@ class Conversations:
             await self.work.verify(slot)
         # What the slot holds counts only if the server can serve the request from it.
         resident = self.openings.resident_depth(slot, conv)
-        found = await self._lookup(conv) if self.backend.disk_enabled else None
-        if not learnt:
+        # The next turn of what the slot holds (the steady state of every agent loop): no
+        # stored entry could serve more, nor show a new opening. No index query then.
+        next_turn = _next_turn_of(slot, conv, resident)
+        found = None
+        if self.backend.disk_enabled and not next_turn:
+            found = await self._lookup(conv)
+        if not learnt and not next_turn:
             # A rewrite is a habit of the client, not a branch whose opening is worth keeping.
             await self.openings.observe(conv, self.pool)
         move = choose(resident, found[1] if found else None, self.guard.allows(conv.namespace))
@@ -410,9 +418,19 @@ class Conversations:
             )
         else:
             slot.forget()
+        if not self.settings.write_through:
+            # The slot goes back now; what the server shows of it is asked without it.
+            timings = (reply.timings if reply is not None else None) or {}
+            generated = timings.get("predicted_n")
+            slot.ours_ended(
+                slot.holding.n_tokens if slot.holding is not None else 0,
+                generated if isinstance(generated, int) else 0,
+            )
+            self.background.spawn(self.work.snapshot_later(slot, slot.taken))
+            return
         try:
             await self.work.snapshot(slot)
-            if self.settings.write_through and self.work.worth_saving(slot):
+            if self.work.worth_saving(slot):
                 await self.work.save(slot)
         except Exception as exc:  # runs detached: nobody else would see it
             log.warning("after the reply on slot %d: %s", slot.id, exc)
@@ -433,6 +451,16 @@ class Conversations:
     ) -> None:
         event.miss = await explain_against(conv.namespace, conv.messages, candidates, self.store)
         self.events.request(event)
+
+
+def _next_turn_of(slot: Slot, conv: Conversation, resident: int) -> bool:
+    """Does the request extend everything the slot holds by a turn's few new messages?"""
+    held = slot.holding
+    return (
+        held is not None
+        and resident == len(held.chain)
+        and 0 < len(conv.keys) - resident <= NEW_MESSAGES_A_TURN
+    )
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -44,9 +44,11 @@ from .habits import worth_comparing
 from .policy import (
     ReuseRule,
     StoredView,
+    near_end_candidate,
     pick_stored,
     resident_serves,
     reuse_rule,
+    window_serves,
 )
 from .slots import Holding, Slot, SlotPool
 from .slotwork import SlotWork
@@ -102,9 +104,30 @@ class Openings:
         rule (not merely the longest key match), and the boundaries it shares."""
         found = await self.store.candidates_async(conv.keys, conv.namespace)
         self._picked = (conv, found)
+        rule = self.rule()
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
-        i = pick_stored(self.rule(), len(conv.keys), views)
+        i = pick_stored(rule, len(conv.keys), views)
+        j = near_end_candidate(rule, views, i)
+        if j is not None:
+            # A sliding-window state parted from near its end (the first turn after a client
+            # rewrote its last one, before its habit was known): it may still serve more.
+            before = await self._tokens_before(conv, views[j].shared)
+            if before is not None and window_serves(rule, views[j], before):
+                if i is None or before > views[i].n_tokens:
+                    return found[j]
         return None if i is None else found[i]
+
+    async def _tokens_before(self, conv: Conversation, depth: int) -> int | None:
+        """How many tokens of the request come before its message `depth`, as the server
+        tokenises them (None when it cannot say)."""
+        try:
+            tokens = await canonical.prefix_tokens(
+                self.work.client, conv.template, conv.messages[:depth], canonical.VERBATIM
+            )
+        except (UpstreamError, ValueError) as exc:
+            log.debug("cannot count the tokens before message %d: %s", depth, exc)
+            return None
+        return len(tokens) if tokens else None
 
     # --- which boundaries are openings
 
@@ -115,8 +138,10 @@ class Openings:
         if picked is not None and picked[0] is conv:
             # candidates() puts the longest match first; there is none when it found nothing.
             stored = picked[1][0] if picked[1] else None
-        else:
+        elif self.backend.disk_enabled:
             stored = await self.store.lookup_async(conv.keys, conv.namespace)
+        else:
+            stored = None
         best, extends, depth = 0, False, 0
         for slot in pool.holding_namespace(conv.namespace):
             held = slot.holding

@@ -122,6 +122,39 @@ def pick_stored(
     return best
 
 
+# How many boundaries before a stored entry's end a request may part from it and still be
+# worth counting the tokens after the divergence (window rule): a client's last turn.
+NEAR_END_BOUNDARIES = 4
+
+
+def near_end_candidate(
+    rule: ReuseRule, candidates: Sequence[StoredView], picked: int | None
+) -> int | None:
+    """Window rule: the candidate sharing more boundaries than the picked one that the
+    request parts from within its last few (a rewritten or edited last turn). It serves if
+    the tokens after the divergence fit in the window (`window_serves`), which only the
+    server's tokenizer can tell: the caller counts them, for this candidate alone."""
+    if rule.rule != "window":
+        return None
+    floor = candidates[picked].shared if picked is not None else 0
+    best: int | None = None
+    for i, c in enumerate(candidates):
+        if not floor < c.shared < c.depth or c.depth - c.shared > NEAR_END_BOUNDARIES:
+            continue
+        # The most shared; then the shortest, the likeliest to end within the window.
+        if best is None or (c.shared, -c.n_tokens) > (
+            candidates[best].shared,
+            -candidates[best].n_tokens,
+        ):
+            best = i
+    return best
+
+
+def window_serves(rule: ReuseRule, stored: StoredView, tokens_before: int) -> bool:
+    """Does a restored state serve a request parting from it after `tokens_before` tokens?"""
+    return rule.rule == "window" and 0 < stored.n_tokens - tokens_before <= rule.window
+
+
 def resident_serves(rule: ReuseRule, shared: int, restored_depth: int, n_tokens: int) -> bool:
     """Can a slot serve a request sharing `shared` boundaries with what it holds? A live
     state (restored_depth 0) or a divergence at or beyond the restored part always can;

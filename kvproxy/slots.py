@@ -71,6 +71,12 @@ class Slot:
     # The tenant whose tokens the server's slot may hold, whatever kvproxy knows of them
     # (`forget` keeps it): another tenant's request may only run there once it is erased.
     occupant: str | None = ANYONE
+    # How many times the slot was taken: a GET /slots sent after our use counts only if the
+    # slot was not taken again before it answered.
+    taken: int = 0
+    # Our last use ended and its GET /slots has not answered yet (see `ours_ended`): the
+    # range of tokens the server should show (the prompt, up to the prompt and the reply).
+    pending: tuple[int, int] | None = None
 
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int:
         holding = self.holding
@@ -87,6 +93,7 @@ class Slot:
         self.holding = None
         self.saved = True
         self.snapshot = None
+        self.pending = None
 
     def hold(self, holding: Holding | None, saved: bool) -> None:
         old = self.holding
@@ -112,11 +119,35 @@ class Slot:
         if self.holding is not None:
             self.holding.canonical = True
 
+    def take(self) -> None:
+        self.busy = True
+        self.taken += 1
+
+    def ours_ended(self, prompt: int, generated: int) -> None:
+        """Our request on the slot ended: trust what it left (as GET /slots right after it
+        would) until that GET answers, sent without holding the slot."""
+        self.seen_at = time.monotonic()
+        self.pending = (prompt, prompt + generated)
+
+    def shows_ours(self, info: SlotInfo) -> bool:
+        """Does the server show the slot as our last use left it? Before the GET /slots after
+        that use answered, the snapshot is not known: the slot must show a task other than
+        the one last seen, and the tokens that use left."""
+        if self.pending is None:
+            return info.snapshot == self.snapshot
+        low, high = self.pending
+        n = info.n_prompt_tokens
+        last_task = self.snapshot[0] if self.snapshot else None
+        if n is None or not low <= n <= high:
+            return False
+        return last_task is None or info.id_task != last_task
+
     def observe(self, info: SlotInfo, count_tokens: bool = False) -> None:
         """What GET /slots shows now is what our own last use left: later differences mean
         someone else used or wiped the slot. `count_tokens`: the holding's size is what the
         server reports (after our own request)."""
         self.snapshot = info.snapshot
+        self.pending = None
         self.seen_at = time.monotonic()
         if count_tokens and self.holding is not None and info.n_prompt_tokens is not None:
             self.holding.n_tokens = info.n_prompt_tokens
@@ -127,6 +158,7 @@ class Slot:
         prev_task = self.snapshot[0] if self.snapshot else None
         self.hold(holding, saved=True)
         self.snapshot = (prev_task, holding.n_tokens if prev_task is not None else None)
+        self.pending = None
 
     def mark_started(self) -> None:
         """kvproxy gives the slot a task of its own (a server that wipes idle slots may wipe
@@ -182,7 +214,7 @@ class SlotPool:
         """Take an idle slot without waiting (background work); False when it is busy."""
         if slot.busy:
             return False
-        slot.busy = True
+        slot.take()
         return True
 
     def holding_namespace(self, namespace: str) -> list[Slot]:
@@ -242,7 +274,7 @@ class SlotPool:
                 slot, depth = self.slots[wanted], 0
             else:
                 slot, depth = self.choose(keys or [], namespace)
-            slot.busy = True
+            slot.take()
             slot.mark_started()
             return slot, depth
 
@@ -274,7 +306,7 @@ class SlotPool:
                     self._draining.remove(arrival)
                     self._cond.notify_all()  # those that came later may go now
             for slot in self.slots:
-                slot.busy = True
+                slot.take()
                 slot.mark_started()
             return list(self.slots)
 

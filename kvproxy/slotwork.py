@@ -83,7 +83,8 @@ class SlotWork:
             if time.monotonic() > deadline:
                 raise UpstreamError(f"slot {slot.id} stays busy with work kvproxy did not send")
             await asyncio.sleep(0.02)
-        if slot.holding is not None and info.snapshot != slot.snapshot:
+        pending = slot.pending is not None
+        if slot.holding is not None and not slot.shows_ours(info):
             log.info(
                 "slot %d changed behind kvproxy's back (%s -> %s): forgetting %s",
                 slot.id,
@@ -93,11 +94,24 @@ class SlotWork:
             )
             self.events.count(Count.SLOT_RESET)
             slot.forget()
-        slot.observe(info)
+        slot.observe(info, count_tokens=pending)
 
     async def snapshot(self, slot: Slot) -> None:
         """After our own use: remember what the server shows, and the holding's true size."""
         slot.observe(await self.client.slot(slot.id), count_tokens=True)
+
+    async def snapshot_later(self, slot: Slot, taken: int) -> None:
+        """`snapshot` for a slot already given back after a reply (`Slot.ours_ended`), so a
+        client's next turn does not wait for it: its answer counts only if nobody took the
+        slot meanwhile (then that use's own snapshot, or `verify`, settles it). `taken`: the
+        slot's count when the use ended."""
+        try:
+            info = await self.client.slot(slot.id)
+        except UpstreamError as exc:
+            log.debug("GET /slots after the reply on slot %d: %s", slot.id, exc)
+            return
+        if slot.taken == taken and not slot.busy and not info.is_processing:
+            slot.observe(info, count_tokens=True)
 
     # --- saving
 

@@ -416,6 +416,29 @@ async def test_a_resident_turn_right_after_its_last_one_skips_the_slot_check(
     assert paths[first + 1 : second] == ["/slots"]  # the snapshot after turn 1 only
 
 
+async def test_the_next_turn_does_not_wait_for_the_slot_check_after_the_last(
+    make: Maker,
+) -> None:
+    """The GET /slots after a reply is sent once the slot is given back: an agent's next
+    turn, right after, is forwarded while it is still unanswered (and its answer, late,
+    is not taken for what the slot holds)."""
+    fake, proxy = await make()
+    _, r1, _ = await chat(proxy, conv(1))
+    await settle(proxy)
+    fake.slots_gate = asyncio.Event()  # the server answers no GET /slots for now
+    m2 = then(conv(1), r1)
+    _, r2, h2 = await asyncio.wait_for(chat(proxy, m2), 30)
+    assert h2["X-KVProxy-Cache"] == "resident"
+    _, _, h3 = await asyncio.wait_for(chat(proxy, then(m2, r2)), 30)
+    assert h3["X-KVProxy-Cache"] == "resident"
+    assert fake.slots_waiting >= 1, "turn 3 ran while turn 2's slot check was unanswered"
+    fake.slots_gate.set()
+    await settle(proxy)
+    slot = next(s for s in proxy.cache.pool.slots if s.holding is not None)
+    assert slot.pending is None and slot.holding is not None
+    assert slot.holding.n_tokens == len(fake.slots[slot.id].tokens)
+
+
 async def test_a_client_that_hangs_up_after_the_last_event_keeps_its_slot(make: Maker) -> None:
     """Codex stops reading at `response.completed` and closes the connection, before the
     server ends the stream: the reply was whole, so the slot holds the conversation."""

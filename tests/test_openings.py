@@ -12,13 +12,16 @@ from kvproxy.modelinfo import ModelClass, ModelInfo
 from kvproxy.policy import (
     ReuseRule,
     StoredView,
+    near_end_candidate,
     pick_stored,
     resident_serves,
     restore_serves,
     reuse_rule,
+    window_serves,
 )
 
 from .conftest import Maker, RunningProxy
+from .fakeserver import render_chat
 from .test_cache import chat, settle, then
 
 DENSE, SWA, RECURRENT = ReuseRule("prefix"), ReuseRule("window", 256), ReuseRule("extension")
@@ -167,18 +170,15 @@ async def test_an_observed_opening_is_made_when_a_new_session_lands_on_the_slot(
     assert chains == [1, 5], "the opening, and the first session kept"
 
 
-@pytest.mark.parametrize(
-    ("reuse", "model_class", "n_swa"),
-    [("window", "swa", 1024), ("extend", "recurrent", 0)],
-)
 async def test_a_deeper_shared_opening_is_saved_on_the_way_from_a_shorter_one(
-    make: Maker, reuse: str, model_class: ModelClass, n_swa: int
+    make: Maker,
 ) -> None:
-    """Codex's shape: a long system prompt (presumed an opening) and a context message every
-    session repeats. The second session restores the system prompt's opening and shows the
-    context is shared too: kvproxy evaluates through the context and saves that opening
-    before the request extends it (saying so), so the third session restores it all."""
-    fake, proxy = await make({"reuse": reuse, "window": n_swa // 2 or 512, "n_ctx": 16384})
+    """Codex's shape on a recurrent model (a restored state serves only an exact extension):
+    a long system prompt (presumed an opening) and a context message every session repeats.
+    The second session restores the system prompt's opening and shows the context is shared
+    too: kvproxy evaluates through the context and saves that opening before the request
+    extends it (saying so), so the third session restores it all."""
+    fake, proxy = await make({"reuse": "extend", "n_ctx": 16384})
     context = {"role": "user", "content": "<environment_context>cwd /w " + "x " * 300}
 
     def codex(n: int) -> list[dict]:
@@ -190,7 +190,7 @@ async def test_a_deeper_shared_opening_is_saved_on_the_way_from_a_shorter_one(
         await settle(proxy)
 
     _, r, h = await chat(proxy, codex(1))
-    as_class(proxy, model_class, n_swa)
+    as_class(proxy, "recurrent")
     assert "X-KVProxy-Evaluated-Tokens" in h, "the system prompt's opening, on the way"
     await crowd(1)
     system_only = system_tokens()
@@ -212,3 +212,59 @@ async def test_a_deeper_shared_opening_is_saved_on_the_way_from_a_shorter_one(
     assert int(h["X-KVProxy-Restored-Tokens"]) >= restored + evaluated
     assert "X-KVProxy-Evaluated-Tokens" not in h
     assert body["timings"]["cache_n"] >= restored + evaluated
+
+
+async def test_a_new_session_restores_what_it_shares_near_an_entrys_end(make: Maker) -> None:
+    """The same shape on a sliding-window model: session 1's first state parts from a new
+    session only at its task message, within the window of its end, so it serves the
+    system prompt and the context at once."""
+    fake, proxy = await make({"reuse": "window", "window": 512, "n_ctx": 16384})
+    context = {"role": "user", "content": "<environment_context>cwd /w " + "x " * 300}
+    shared = [session(1)[0], context]
+    await chat(proxy, [*shared, {"role": "user", "content": "task 1"}])
+    as_class(proxy, "swa", 1024)
+    for other in ("X", "Y"):
+        await chat(proxy, session(9, f"Other system {other}. " + "pad " * 100))
+    await settle(proxy)
+    status, body, h = await chat(proxy, [*shared, {"role": "user", "content": "task 2"}])
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    assert body["timings"]["cache_n"] >= len(render_chat(shared, False).encode())
+
+
+def test_a_near_end_divergence_is_counted_only_on_sliding_window_models() -> None:
+    conv_entry = StoredView(depth=4, shared=2, n_tokens=10_395)  # parts 2 from its end
+    opening = StoredView(depth=1, shared=1, n_tokens=10_092)
+    views = [conv_entry, opening]
+    picked = pick_stored(SWA, 5, views)
+    assert picked == 1  # by boundaries alone only the opening serves
+    assert near_end_candidate(SWA, views, picked) == 0
+    assert window_serves(SWA, conv_entry, 10_247)  # 148 tokens after the divergence
+    assert not window_serves(SWA, conv_entry, 10_095)  # 300: beyond the window
+    assert near_end_candidate(DENSE, views, pick_stored(DENSE, 5, views)) is None
+    assert near_end_candidate(RECURRENT, views, picked) is None
+    far = StoredView(depth=12, shared=2, n_tokens=20_000)  # a branch far back
+    assert near_end_candidate(SWA, [far, opening], 1) is None
+
+
+async def test_a_rewritten_last_turn_restores_the_conversation_when_the_window_allows(
+    make: Maker,
+) -> None:
+    """OpenClaw's turn 2 before its habit is known: it drops turn 1's context message, so
+    the saved state parts from it two messages before its end. On a sliding-window model
+    that state still serves everything before the divergence (within the window of its
+    end): restored, not the shorter opening."""
+    fake, proxy = await make({"reuse": "window", "window": 512, "n_ctx": 16384})
+    context = {"role": "user", "content": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> t1 " + "c " * 40}
+    first = [*session(1), context]
+    _, r, _ = await chat(proxy, first)
+    as_class(proxy, "swa", 1024)
+    for other in ("X", "Y"):
+        await chat(proxy, session(9, f"Other system {other}. " + "pad " * 100))
+    await settle(proxy)
+    reply = {"role": "assistant", "content": r["choices"][0]["message"]["content"]}
+    turn2 = [*session(1), reply, {"role": "user", "content": "go on"}, context]
+    status, body, h = await chat(proxy, turn2)
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    before_context = len(render_chat(session(1), add_generation_prompt=False).encode())
+    assert int(h["X-KVProxy-Restored-Tokens"]) > before_context
+    assert body["timings"]["cache_n"] >= before_context

@@ -722,6 +722,9 @@ class FakeLlamaServer:
         self.slots_endpoint = slots_endpoint
         # llama-server's --ignore-eos: every reply runs to its token limit (or the context's end).
         self.ignore_eos = ignore_eos
+        # Tests: GET /slots waits for this event (the server's loop busy elsewhere), counted.
+        self.slots_gate: asyncio.Event | None = None
+        self.slots_waiting = 0
 
         self.slots = [FakeSlot(id=i, n_ctx=n_ctx) for i in range(n_slots)]
         self.requests: list[tuple[str, str, Any]] = []
@@ -950,6 +953,12 @@ class FakeLlamaServer:
                 "This server does not support slots endpoint. Start it with `--slots`",
                 "not_supported_error",
             )
+        if self.slots_gate is not None:
+            self.slots_waiting += 1
+            try:
+                await self.slots_gate.wait()
+            finally:
+                self.slots_waiting -= 1
         if request.query.get("fail_on_no_slot") and all(s.is_processing for s in self.slots):
             return error_response("no slot available", "unavailable_error")
         return web.json_response([slot.to_json() for slot in self.slots])
