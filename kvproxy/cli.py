@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import gc
 import importlib
 import logging
+import logging.handlers
+import queue
 import signal
 import sys
 from collections.abc import Sequence
@@ -26,6 +29,7 @@ from .proxy import build_app
 from .requestlog import JsonFormatter
 
 log = logging.getLogger("kvproxy")
+LLAMA_LOGGER = "llama-server"  # llama-server's own lines, relayed (managed.py)
 
 # Modules that add subcommands. They keep heavy imports (matplotlib…) inside their commands;
 # bench's flags live outside kvproxy.bench, so no other command loads the benchmarks.
@@ -56,25 +60,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(level: str, json_lines: bool = False) -> None:
+def setup_logging(level: str, json_lines: bool = False) -> logging.handlers.QueueListener:
     """Plain text on stderr, or with `json_lines` one JSON object per record (all of them,
-    llama-server's relayed lines included), for log shippers."""
+    llama-server's relayed lines included), for log shippers. Records are written by a
+    thread of their own, in order (a line per request: its write to a slow pipe or terminal
+    must not hold up the event loop); `stop()` on what this returns flushes them (done at
+    exit too)."""
+    text = logging.Formatter(LOG_FORMAT, "%H:%M:%S")
+    relayed = logging.Formatter(LLAMA_LOG_FORMAT, "%H:%M:%S")
+    ours = logging.StreamHandler(sys.stderr)
+    ours.setFormatter(JsonFormatter() if json_lines else text)
+    ours.addFilter(lambda record: record.name != LLAMA_LOGGER)
+    theirs = logging.StreamHandler(sys.stderr)
+    theirs.setFormatter(JsonFormatter() if json_lines else relayed)
+    theirs.addFilter(lambda record: record.name == LLAMA_LOGGER)
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(records, ours, theirs)
+    listener.start()
+    atexit.register(_stop_quietly, listener)
+    to_queue = logging.handlers.QueueHandler(records)
     root = logging.getLogger()
-    root.handlers.clear()
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter() if json_lines else logging.Formatter(LOG_FORMAT, "%H:%M:%S")
-    )
-    root.addHandler(handler)
+    root.handlers = [to_queue]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    llama = logging.getLogger("llama-server")
+    llama = logging.getLogger(LLAMA_LOGGER)
     llama.propagate = False
-    llama_handler = logging.StreamHandler(sys.stderr)
-    llama_handler.setFormatter(
-        JsonFormatter() if json_lines else logging.Formatter(LLAMA_LOG_FORMAT, "%H:%M:%S")
-    )
-    llama.handlers = [llama_handler]
+    llama.handlers = [to_queue]
+    return listener
+
+
+def _stop_quietly(listener: logging.handlers.QueueListener) -> None:
+    with contextlib.suppress(AttributeError):  # stopped already (its thread is gone)
+        listener.stop()
 
 
 async def serve(settings: Settings) -> int:

@@ -107,10 +107,11 @@ def restore_logging() -> Iterator[None]:
 def test_log_json_makes_every_record_json(
     restore_logging: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    setup_logging("info", json_lines=True)
+    writer = setup_logging("info", json_lines=True)
     logging.getLogger("kvproxy.cache").info("saved slot %d", 1)
     logging.getLogger("llama-server").info("srv  load_model: loading")
     logging.getLogger("kvproxy.request").info("chat x miss", extra={"fields": {"slot": 0}})
+    writer.stop()  # written by a thread of their own: all of them now, in order
     lines = capsys.readouterr().err.strip().splitlines()
     records = [orjson.loads(line) for line in lines]
     assert [r["logger"] for r in records] == ["kvproxy.cache", "llama-server", "kvproxy.request"]
