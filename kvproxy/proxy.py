@@ -63,7 +63,18 @@ def predict_routes(environ: Mapping[str, str]) -> frozenset[str]:
 def blocked_reason(
     method: str, path: str, predict: frozenset[str] = frozenset({"/predict"})
 ) -> str | None:
-    """Server routes clients must never reach through the proxy, and why."""
+    """Server routes clients must never reach through the proxy, and why. A server started
+    with `--api-prefix P` serves every route under P (server-http.cpp `path_prefix`), so each
+    tail of the path is checked: `/P/slots/0` is `/slots/0` there."""
+    for at in range(len(path)):
+        if path[at] == "/":
+            reason = _blocked_route(method, path[at:], predict)
+            if reason is not None:
+                return reason
+    return None
+
+
+def _blocked_route(method: str, path: str, predict: frozenset[str]) -> str | None:
     if path in predict:
         # Each of `instances` runs through any route the server has, named by
         # `@requestFormat` (`/slots/:id_slot`, `chatCompletions`, `/models/load`, ...) with

@@ -129,6 +129,9 @@ async def test_methods_paths_queries_headers_and_bodies_pass_through(
         "//slots/0",
         "/v1/../slots/0",
         "/%73lots/0",
+        # A server started with --api-prefix serves its routes under the prefix.
+        "/llm/slots/0?action=restore",
+        "/a/b/slots",
     ],
 )
 async def test_slots_routes_are_refused(
@@ -139,6 +142,18 @@ async def test_slots_routes_are_refused(
         body = await resp.json()
         assert body["error"]["type"] == "permission_error"
         assert "/slots" in body["error"]["message"]
+    assert not echo.seen
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/llm/models/load"), ("POST", "/llm/props"), ("POST", "/llm/predict")],
+)
+async def test_admin_routes_under_an_api_prefix_are_refused(
+    echo: EchoUpstream, eproxy: RunningProxy, method: str, path: str
+) -> None:
+    async with aiohttp.ClientSession() as s, s.request(method, eproxy.url + path) as resp:
+        assert resp.status == 403
     assert not echo.seen
 
 
