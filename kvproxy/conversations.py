@@ -24,7 +24,8 @@ from .config import Settings
 from .errors import error_response
 from .events import Count, Events, RequestEvent
 from .explain import explain_against, explain_miss
-from .habits import Habits, worth_comparing
+from .habitlearning import HabitLearning
+from .habits import Habits
 from .leases import Background, Lease
 from .openings import Openings
 from .policy import (
@@ -110,6 +111,7 @@ class Conversations:
         self.guard = guard
         self.background = background
         self.openings = Openings(backend, store, work, settings)
+        self.learner = HabitLearning(habits, backend, store, background)
 
     # --- keyed requests
 
@@ -255,7 +257,7 @@ class Conversations:
 
     async def prepare(self, slot: Slot, conv: Conversation) -> Prepared:
         """Get the conversation's state into the slot, as far as kvproxy can."""
-        learnt = self._learn_habits(slot, conv)
+        learnt = self.learner.from_slot(slot, conv)
         if slot.holding is not None and not self.pool.still_as_seen(slot, SNAPSHOT_TRUST):
             await self.work.verify(slot)
         # What the slot holds counts only if the server can serve the request from it.
@@ -282,7 +284,7 @@ class Conversations:
             if outcome is None:
                 return MISS
             if not self.habits.echo.known(conv.namespace):
-                self.background.spawn(self._learn_from_disk(entry, found[1], conv))
+                self.background.spawn(self.learner.from_disk(entry, found[1], conv))
             n = outcome.n_restored
             # A new session restored from a shorter opening than the one it shares (seen
             # since): that one is saved on the way, for the sessions after it.
@@ -326,38 +328,6 @@ class Conversations:
             await self.work.evict()
             found = await self.openings.pick(conv)
         return found
-
-    def _learn_habits(self, slot: Slot, conv: Conversation) -> bool:
-        """Learn how the client echoes and rewrites (habits.py) from the conversation the slot
-        holds, else, in the background, from the stored one the request shares most with.
-        True when the slot's conversation showed a rewrite."""
-        held = slot.holding
-        if held is not None and held.messages and held.namespace == conv.namespace:
-            shared = slot.shared_depth(conv.keys, conv.namespace)
-            if shared >= len(held.messages) or worth_comparing(
-                len(held.messages), len(conv.messages), shared
-            ):
-                return self.habits.learn(conv.namespace, held.messages, conv.messages, shared)
-        if self.backend.disk_enabled:
-            self.background.spawn(self._learn_from_stored(conv))
-        return False
-
-    async def _learn_from_stored(self, conv: Conversation) -> None:
-        # Off the request path: one more index query, and maybe a read of stored text.
-        stored = await self.store.lookup_async(conv.keys, conv.namespace)
-        if stored is not None:
-            entry, shared = stored
-            if worth_comparing(entry.n_messages, len(conv.messages), shared):
-                await self._learn_from_disk(entry, shared, conv)
-
-    async def _learn_from_disk(self, entry: Entry, shared: int, conv: Conversation) -> None:
-        if not 0 < shared <= min(len(entry.chain), len(conv.keys)):
-            return
-        if entry.chain[shared - 1] != conv.keys[shared - 1]:
-            return
-        messages = await asyncio.to_thread(self.store.read_messages, entry.key)
-        if messages and len(messages) == len(entry.chain):
-            self.habits.learn(conv.namespace, messages, conv.messages, shared)
 
     def _why_weak(self, prepared: Prepared, conv: Conversation, slot: Slot) -> str:
         """Why a resident or restored request reused less than half of what it expected.
