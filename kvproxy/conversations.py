@@ -424,13 +424,16 @@ class Conversations:
 
 
 def _next_turn_of(slot: Slot, conv: Conversation, resident: int) -> bool:
-    """Does the request extend everything the slot holds by a turn's few new messages?"""
+    """Does the request extend everything the slot holds, a conversation up to a reply, by
+    a turn's few new messages? (An opening the slot holds is no turn: a new session may
+    share more with a stored conversation than with it.)"""
     held = slot.holding
-    return (
-        held is not None
-        and resident == len(held.chain)
-        and 0 < len(conv.keys) - resident <= NEW_MESSAGES_A_TURN
-    )
+    if held is None or resident != len(held.chain) or not held.messages:
+        return False
+    last = held.messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return False
+    return 0 < len(conv.keys) - resident <= NEW_MESSAGES_A_TURN
 
 
 def _int_or_none(value: Any) -> int | None:
