@@ -191,10 +191,10 @@ class _IndexClock:
         self.seconds = 0.0
         run = store._with_totals
 
-        def timed(work: Callable[[Any], Any]) -> Any:
+        def timed(work: Callable[[Any], Any], refresh: bool = True) -> Any:
             started = time.perf_counter()
             try:
-                return run(work)
+                return run(work, refresh)
             finally:
                 self.seconds += time.perf_counter() - started
 

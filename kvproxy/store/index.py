@@ -33,15 +33,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..keys import is_key
-from .db import IndexDB, Listing, Totals
+from .db import IndexDB
 from .entry import Entry
-from .files import Scanned, StoreFiles
+from .files import StoreFiles
+from .listing import Listing, Totals
+from .opening import open_index
 
 log = logging.getLogger("kvproxy.store")
 
 T = TypeVar("T")
-
-IMPORT_BATCH = 5000  # `.idx` records imported per transaction
 
 
 class Store:
@@ -84,22 +84,29 @@ class Store:
             self._local.db = db
         return db
 
-    async def _db(self, work: Callable[[IndexDB], T]) -> T:
-        """Run `work` on the index thread; the summary is refreshed with it."""
+    async def _db(self, work: Callable[[IndexDB], T], refresh: bool = True) -> T:
+        """Run `work` on the index thread; with `refresh` (writes), the summary is refreshed
+        with it. Lookups leave it be: it changes only with writes, ours (refreshed then) or
+        another process's (housekeeping's refresh, every second)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvproxy-index")
         result, totals = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._with_totals, work
+            self._executor, self._with_totals, work, refresh
         )
-        self.summary = totals
+        if totals is not None:
+            self.summary = totals
         return result
 
-    def _with_totals(self, work: Callable[[IndexDB], T]) -> tuple[T, Totals]:
+    def _with_totals(
+        self, work: Callable[[IndexDB], T], refresh: bool = True
+    ) -> tuple[T, Totals | None]:
         db = self._conn()
-        return work(db), db.totals()
+        return work(db), db.totals() if refresh else None
 
     def _sync(self, work: Callable[[IndexDB], T]) -> T:
-        result, self.summary = self._with_totals(work)
+        result, totals = self._with_totals(work)
+        assert totals is not None
+        self.summary = totals
         return result
 
     def close(self) -> None:
@@ -148,22 +155,22 @@ class Store:
 
     async def lookup_async(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
         """The stored entry sharing the longest prefix with `keys`, and that prefix's length."""
-        return await self._db(partial(_longest, keys=keys, namespace=namespace))
+        return await self._db(lambda db: db.longest(keys, namespace), refresh=False)
 
     async def candidates_async(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
         """See `candidates`."""
-        return await self._db(partial(_candidates, keys=keys, namespace=namespace))
+        return await self._db(lambda db: db.candidates(keys, namespace), refresh=False)
 
     async def used_since_async(self, when: float, limit: int = 10_000) -> list[tuple[str, float]]:
         """(key, last_used) of the entries used since `when` (wall clock), newest first."""
-        return await self._db(lambda db: db.used_since(when, limit))
+        return await self._db(lambda db: db.used_since(when, limit), refresh=False)
 
     async def contains_async(self, key: str) -> bool:
-        return await self._db(lambda db: db.contains(key))
+        return await self._db(lambda db: db.contains(key), refresh=False)
 
     async def recent_with_text_async(self, namespace: str, limit: int = 8) -> list[str]:
         """See `recent_with_text`."""
-        return await self._db(lambda db: db.recent_with_text(namespace, limit))
+        return await self._db(lambda db: db.recent_with_text(namespace, limit), refresh=False)
 
     async def refresh_async(self) -> Totals:
         """Re-read the summary (another process may have removed entries)."""
@@ -179,7 +186,7 @@ class Store:
     # --- lookups with no event loop (and tests)
 
     def lookup(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
-        return self._sync(partial(_longest, keys=keys, namespace=namespace))
+        return self._sync(lambda db: db.longest(keys, namespace))
 
     def candidates(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
         """Entries a request could restore, each with the keys it shares with `keys`: the
@@ -187,7 +194,7 @@ class Store:
         boundaries (the request extends it). Index seeks only: no pass over the entries that
         merely share a prefix (every conversation of an agent shares its system prompt).
         Deepest first."""
-        return self._sync(partial(_candidates, keys=keys, namespace=namespace))
+        return self._sync(lambda db: db.candidates(keys, namespace))
 
     def recent_with_text(self, namespace: str, limit: int = 8) -> list[str]:
         """Keys of the most recently used entries of `namespace` whose text was kept: the
@@ -255,15 +262,15 @@ class Store:
         returns; delete their files with `delete_files_async`. Entries pinned for a restore
         stay; a victim whose key was committed again meanwhile is left out (its files are
         the new commit's)."""
-        if self.ttl <= 0 and (
-            self.max_bytes <= 0 or self.summary.bytes + incoming <= self.max_bytes
+        summary, now = self.summary, time.time()
+        if (self.ttl <= 0 or now - summary.oldest <= self.ttl) and (
+            self.max_bytes <= 0 or summary.bytes + incoming <= self.max_bytes
         ):
             return []  # the summary is exact as of the last write: nothing to ask
         pinned = frozenset(self._pinned)
         seen = set(self._committing)
         self._watchers.append(seen)
         try:
-            now = time.time()
             victims = await self._db(
                 lambda db: db.evict(now, self.ttl, self.max_bytes, pinned, incoming)
             )
@@ -314,29 +321,8 @@ class Store:
         return self.problems
 
     def _open_in(self, db: IndexDB, sweep: bool) -> list[tuple[str, str]]:
-        """The open's work, on the index thread: one directory scan and one pass over the
-        keys (start-up only), the import of old records in a few transactions."""
-        self.files.create()
-        if not sweep and db.get_meta("opened") is not None:
-            return []  # imported before: rows are the truth, no scan for the CLI
-        scanned: Scanned = self.files.scan(db.all_files(), sweep)
-        for i in range(0, len(scanned.imported), IMPORT_BATCH):
-            db.insert_many(scanned.imported[i : i + IMPORT_BATCH])
-        if scanned.imported:
-            log.info("imported %d entries from .idx records", len(scanned.imported))
-        # The rows are committed: the records they came from go (see drop_records).
-        good = {e.key for e in scanned.imported}
-        if sweep:
-            self.files.drop_records(scanned.records)
-        else:
-            self.files.drop_records(k for k in scanned.records if k in good)
-        for key in scanned.missing:  # state file gone (an older kvproxy swept it)
-            row = db.delete(key)
-            if row is not None and sweep:
-                self.files.delete([row])
-        if not scanned.problems:  # else a later open tries (and reports) them again
-            db.set_meta("opened", str(time.time()))
-        return scanned.problems
+        """The open's work (`kvproxy.store.opening`), on the thread that owns `db`."""
+        return open_index(db, self.files, sweep)
 
     def commit(self, entry: Entry, temp: str) -> Entry:
         if not (self.root / temp).exists():
@@ -413,21 +399,6 @@ class Store:
     def _log_opened(self) -> None:
         n, size = self.summary.entries, self.summary.bytes
         log.info("cache dir %s: %d entries, %d bytes", self.root, n, size)
-
-
-def _longest(db: IndexDB, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
-    return db.longest(keys, namespace)
-
-
-def _candidates(db: IndexDB, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
-    out: list[tuple[Entry, int]] = []
-    longest = db.longest(keys, namespace)
-    if longest is not None:
-        out.append(longest)
-    for entry, depth in db.ending_at(keys, namespace):
-        if longest is None or entry.key != longest[0].key:
-            out.append((entry, depth))
-    return out
 
 
 class _EntriesView(Mapping[str, Entry]):
