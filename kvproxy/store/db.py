@@ -35,6 +35,9 @@ class IndexDB:
         self.path = root / DB_NAME
         self.conn = connect(self.path, create)
         self._ns: dict[str, int] = {}
+        # The totals as the last write transaction left them, read inside it: the summary a
+        # write's caller wants costs no read transaction of its own (see `Store._db`).
+        self.written: Totals | None = None
 
     def close(self) -> None:
         self.conn.close()
@@ -56,6 +59,7 @@ class IndexDB:
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self.written = None if dry_run else self.totals()
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise

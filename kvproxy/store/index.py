@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +37,7 @@ from .entry import Entry
 from .files import StoreFiles
 from .listing import Listing, Totals
 from .opening import open_index
+from .thread import IndexThread
 
 log = logging.getLogger("kvproxy.store")
 
@@ -61,7 +61,7 @@ class Store:
         self._committing: dict[str, int] = {}  # keys with a commit in flight
         self._watchers: list[set[str]] = []  # keys committed while an eviction runs
         self._local = threading.local()  # one IndexDB per thread
-        self._executor: ThreadPoolExecutor | None = None  # the proxy's index thread
+        self._thread = IndexThread()  # the proxy's index connection lives there
 
     # --- names (any thread)
 
@@ -88,11 +88,7 @@ class Store:
         """Run `work` on the index thread; with `refresh` (writes), the summary is refreshed
         with it. Lookups leave it be: it changes only with writes, ours (refreshed then) or
         another process's (housekeeping's refresh, every second)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvproxy-index")
-        result, totals = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._with_totals, work, refresh
-        )
+        result, totals = await self._thread.run(partial(self._with_totals, work, refresh))
         if totals is not None:
             self.summary = totals
         return result
@@ -101,7 +97,11 @@ class Store:
         self, work: Callable[[IndexDB], T], refresh: bool = True
     ) -> tuple[T, Totals | None]:
         db = self._conn()
-        return work(db), db.totals() if refresh else None
+        db.written = None
+        result = work(db)
+        if not refresh:
+            return result, None
+        return result, db.written or db.totals()
 
     def _sync(self, work: Callable[[IndexDB], T]) -> T:
         result, totals = self._with_totals(work)
@@ -111,10 +111,9 @@ class Store:
 
     def close(self) -> None:
         """Close the connections (the proxy's index thread ends with its executor)."""
-        if self._executor is not None:
-            self._executor.submit(self._close_local).result()
-            self._executor.shutdown()
-            self._executor = None
+        if self._thread.started:
+            self._thread.call(self._close_local)
+            self._thread.stop()
         self._close_local()
 
     def _close_local(self) -> None:
