@@ -110,7 +110,7 @@ class Store:
         return result
 
     def close(self) -> None:
-        """Close the connections (the proxy's index thread ends with its executor)."""
+        """Close the connections and end the proxy's index thread (if it started)."""
         if self._thread.started:
             self._thread.call(self._close_local)
             self._thread.stop()
