@@ -13,7 +13,7 @@ NS, OTHER = "a" * 32, "b" * 32
 
 
 def key(rng: random.Random) -> str:
-    return "%032x" % rng.getrandbits(128)
+    return f"{rng.getrandbits(128):032x}"
 
 
 def reference(entries: list[Entry], keys: list[str], ns: str) -> list[tuple[str, int]]:
@@ -35,7 +35,9 @@ def reference(entries: list[Entry], keys: list[str], ns: str) -> list[tuple[str,
         tied.sort(key=lambda e: (len(e.chain), -e.last_used, e.row_id))
         out.append((tied[0].key, best))
     position = {k: i + 1 for i, k in enumerate(keys)}
-    ending = sorted(((e.key, position[e.key]) for e in mine if e.key in position), key=lambda p: -p[1])
+    ending = sorted(
+        ((e.key, position[e.key]) for e in mine if e.key in position), key=lambda p: -p[1]
+    )
     return out + [p for p in ending if not out or p[0] != out[0][0]]
 
 

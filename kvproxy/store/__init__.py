@@ -7,8 +7,9 @@
   trigger-kept byte total. Its tables and connection settings: `kvproxy.store.schema`; the
   prefix lookup: `kvproxy.store.lookup`; `kvproxy ls`'s query: `kvproxy.store.listing`.
 - `kvproxy.store.index`: `Store`, the operations that keep index and files in step: `*_async`
-  for the proxy (the database on one dedicated thread, files in threads, one operation at a
-  time per key, in issue order) and the synchronous ones for the CLI.
+  for the proxy (the database on one dedicated thread, `kvproxy.store.thread`; files in
+  threads; one operation at a time per key, in issue order) and the synchronous ones for the
+  CLI. Opening a cache dir (import of old records, start-up sweep): `kvproxy.store.opening`.
 - `kvproxy.store.entry`: `Entry`, one saved state, and the old JSON index record.
 """
 

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,7 +37,9 @@ from .entry import Entry
 from .files import StoreFiles
 from .listing import Listing, Totals
 from .opening import open_index
+from .perkey import PerKey
 from .thread import IndexThread
+from .view import EntriesView
 
 log = logging.getLogger("kvproxy.store")
 
@@ -57,7 +59,7 @@ class Store:
         self.ready = False  # opened: the proxy serves uncached until then
         self.summary = Totals(0, 0)
         self._pinned: dict[str, int] = {}
-        self._last_op: dict[str, asyncio.Future[Any]] = {}  # per key, the latest file operation
+        self._serial = PerKey().run  # file operations: one at a time per key, in issue order
         self._committing: dict[str, int] = {}  # keys with a commit in flight
         self._watchers: list[set[str]] = []  # keys committed while an eviction runs
         self._local = threading.local()  # one IndexDB per thread
@@ -134,7 +136,7 @@ class Store:
     def entries(self) -> Mapping[str, Entry]:
         """A read-only view of the committed entries, querying the database in the calling
         thread: for `kvproxy ls|rm|gc` and tests, never the proxy's request paths."""
-        return _EntriesView(self)
+        return EntriesView(self._sync)
 
     def pin(self, key: str) -> None:
         self._pinned[key] = self._pinned.get(key, 0) + 1
@@ -282,24 +284,6 @@ class Store:
         keys = [e.key for e in victims]
         await self._serial(keys, partial(asyncio.to_thread, self.files.delete, victims))
 
-    def _serial(self, keys: Iterable[str], work: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
-        """Run `work()` once the operations issued earlier on `keys` are done. A task of its
-        own that the caller's cancellation does not reach: a request whose client hung up
-        neither lets a later operation on these keys overtake this one nor leaves the index
-        behind the disk."""
-        keys = list(keys)
-        earlier = {self._last_op[k] for k in keys if k in self._last_op}
-        task = asyncio.ensure_future(_after(earlier, work))
-        for k in keys:
-            self._last_op[k] = task
-        task.add_done_callback(partial(self._op_done, keys))
-        return asyncio.shield(task)
-
-    def _op_done(self, keys: list[str], task: asyncio.Future[Any]) -> None:
-        for k in keys:
-            if self._last_op.get(k) is task:
-                del self._last_op[k]
-
     # --- no event loop (kvproxy ls|rm|gc, tests): database and files in the calling thread
 
     def open(self) -> None:
@@ -398,40 +382,3 @@ class Store:
     def _log_opened(self) -> None:
         n, size = self.summary.entries, self.summary.bytes
         log.info("cache dir %s: %d entries, %d bytes", self.root, n, size)
-
-
-class _EntriesView(Mapping[str, Entry]):
-    """`Store.entries`: the rows, read in the calling thread."""
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-
-    def __getitem__(self, key: str) -> Entry:
-        found = self._store._sync(lambda db: db.get(key))
-        if found is None:
-            raise KeyError(key)
-        return found
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._store._sync(lambda db: db.contains(key))
-
-    def __len__(self) -> int:
-        return self._store._sync(lambda db: db.totals().entries)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([e.key for e in self._all()])
-
-    def _all(self) -> list[Entry]:
-        return self._store._sync(lambda db: list(db.oldest()))
-
-    def values(self) -> list[Entry]:  # type: ignore[override]
-        return self._all()
-
-    def items(self) -> list[tuple[str, Entry]]:  # type: ignore[override]
-        return [(e.key, e) for e in self._all()]
-
-
-async def _after(earlier: set[asyncio.Future[Any]], work: Callable[[], Awaitable[T]]) -> T:
-    if earlier:
-        await asyncio.wait(earlier)
-    return await work()
