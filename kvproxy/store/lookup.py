@@ -75,16 +75,22 @@ def candidates(
     if best is None:
         return []  # no entry holds even the first key: none can end at any of them
     depth, eid = best
-    # An entry ending at keys[d-1] holds keys[:d], so d <= depth: the keys beyond are not
-    # looked up (a new conversation on a shared system prompt asks for one).
-    wanted = keys[:depth] if extended else []
+    # An entry ending at keys[d-1] holds keys[:d], so d <= depth; and the one ending at
+    # `depth` itself, if any, is the entry found (the probe's order puts the entry ending
+    # closest first, and keys are unique). So only keys[:depth-1] are looked up: none for a
+    # new conversation on a shared system prompt.
+    wanted = keys[: depth - 1] if extended else []
     rows = _read(conn, ns, eid, wanted)
     out: list[tuple[Entry, int]] = []
     found = next((r for r in rows if r.row_id == eid), None)
     chain = (found.chain or [found.key]) if found is not None else []
-    # A 64-bit collision of `pkey`: no match rather than a wrong one.
     if found is not None and len(chain) >= depth and chain[depth - 1] == keys[depth - 1]:
         out.append((found, depth))
+    elif extended:
+        # A 64-bit collision of `pkey` put another entry first: no match rather than a wrong
+        # one, and the entry ending at `depth`, if any, is looked up by its key.
+        rows += _read(conn, ns, None, keys[depth - 1 : depth])
+    wanted = keys[:depth] if extended else []
     position = {k: i + 1 for i, k in enumerate(wanted)}
     ending = sorted(
         ((r, position[r.key]) for r in rows if r.key in position), key=lambda pair: -pair[1]
@@ -94,7 +100,7 @@ def candidates(
     return out
 
 
-def _read(conn: sqlite3.Connection, ns: int, eid: int, keys: list[str]) -> list[Entry]:
+def _read(conn: sqlite3.Connection, ns: int, eid: int | None, keys: list[str]) -> list[Entry]:
     """The entry of row `eid` and the entries of namespace `ns` whose key is one of `keys`,
     in one statement (a request of over MAX_PARAMS keys: one more per MAX_PARAMS). Each
     statement is its own read transaction: wrapping the two or three of a lookup in one
@@ -104,7 +110,7 @@ def _read(conn: sqlite3.Connection, ns: int, eid: int, keys: list[str]) -> list[
         part = keys[i : i + MAX_PARAMS]
         selects: list[str] = []
         params: list[int | str] = []
-        if i == 0:
+        if i == 0 and eid is not None:
             selects.append(f"SELECT {COLUMNS} FROM {FROM} WHERE e.id = ?")
             params.append(eid)
         if part:
