@@ -18,22 +18,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import web
-
 from .config import Settings
 from .flags import add_settings_flags, load_settings
-from .managed import ManagedServer, ServerError, find_server_binary, free_port, resolve_model
-from .managed import server_command as build_server_command
-from .modelinfo import read_model_info
-from .proxy import build_app
-from .requestlog import JsonFormatter
 
 log = logging.getLogger("kvproxy")
 LLAMA_LOGGER = "llama-server"  # llama-server's own lines, relayed (managed.py)
 
-# Modules that add subcommands. They keep heavy imports (matplotlib…) inside their commands;
-# bench's flags live outside kvproxy.bench, so no other command loads the benchmarks.
-SUBCOMMANDS = ("kvproxy.doctor", "kvproxy.inventory", "kvproxy.cli_bench")
+# Modules that add subcommands. They keep heavy imports (matplotlib, aiohttp…) inside their
+# commands; bench's and doctor's flags live outside kvproxy.bench and kvproxy.doctor, so no
+# other command loads them. `serve` imports the proxy (aiohttp, whose import alone loads the
+# system's CA certificates twice) when it runs: `kvproxy ls` needs none of it.
+SUBCOMMANDS = ("kvproxy.cli_doctor", "kvproxy.inventory", "kvproxy.cli_bench")
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"
@@ -66,6 +61,8 @@ def setup_logging(level: str, json_lines: bool = False) -> logging.handlers.Queu
     thread of their own, in order (a line per request: its write to a slow pipe or terminal
     must not hold up the event loop); `stop()` on what this returns flushes them (done at
     exit too)."""
+    from .requestlog import JsonFormatter
+
     text = logging.Formatter(LOG_FORMAT, "%H:%M:%S")
     relayed = logging.Formatter(LLAMA_LOG_FORMAT, "%H:%M:%S")
     ours = logging.StreamHandler(sys.stderr)
@@ -95,6 +92,13 @@ def _stop_quietly(listener: logging.handlers.QueueListener) -> None:
 
 
 async def serve(settings: Settings) -> int:
+    from aiohttp import web
+
+    from .managed import ManagedServer, find_server_binary, free_port, resolve_model
+    from .managed import server_command as build_server_command
+    from .modelinfo import read_model_info
+    from .proxy import build_app
+
     if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
         raise SystemExit(
             f"kvproxy: refusing to listen on {settings.host} with --upstream-api-key and no "
@@ -203,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if server_args:
         cli["server_args"] = server_args
     if parsed.command == "serve":
+        from .managed import ServerError
+
         settings = load_settings(cli)
         setup_logging(settings.log_level, settings.log_json)
         try:

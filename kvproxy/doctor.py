@@ -1,4 +1,5 @@
-"""`kvproxy doctor`: checks a running llama-server and cache dir for what kvproxy needs.
+"""`kvproxy doctor`: checks a running llama-server and cache dir for what kvproxy needs (its
+flags are in `kvproxy.cli_doctor`, so other commands do not import this module and aiohttp).
 
 Each check is ok, warn or fail, with the exact flag to change; any fail exits 1. Without
 `--quick`, two probes use idle slots (a running kvproxy notices and re-reads them): whether
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import orjson
 
 from .config import Settings
-from .flags import add_settings_flags, settings_from_args
+from .flags import settings_from_args
 from .llama import LlamaClient, SlotInfo
 from .modelinfo import ModelInfo, read_model_info
 from .upstream import Upstream, UpstreamError
@@ -350,19 +351,6 @@ async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:
         return await Doctor(settings, upstream, quick).run()
     finally:
         await upstream.close()
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "doctor",
-        help="check a running llama-server and the cache dir for what kvproxy needs",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_settings_flags(parser, only=("upstream", "upstream_api_key", "cache_dir", "max_disk"))
-    parser.add_argument("--quick", action="store_true", help="skip the probes that use slots")
-    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,15 +3,17 @@
 - `kvproxy.store.files`: `StoreFiles`, the files on disk and their invariants (derived names,
   O_NOFOLLOW, regular files only; old `.idx` records read for import); any thread.
 - `kvproxy.store.db`: `IndexDB`, the SQLite index (`index.sqlite3`, WAL): one row per entry,
-  the commit marker, written after the files and deleted before them; indexed prefix lookup,
-  LRU/TTL order and a trigger-kept byte total.
+  the commit marker, written after the files and deleted before them; LRU/TTL order and a
+  trigger-kept byte total. Its tables and connection settings: `kvproxy.store.schema`; the
+  prefix lookup: `kvproxy.store.lookup`; `kvproxy ls`'s query: `kvproxy.store.listing`.
 - `kvproxy.store.index`: `Store`, the operations that keep index and files in step: `*_async`
-  for the proxy (the database on one dedicated thread, files in threads, one operation at a
-  time per key, in issue order) and the synchronous ones for the CLI.
+  for the proxy (the database on one dedicated thread, `kvproxy.store.thread`; files in
+  threads; one operation at a time per key, in issue order) and the synchronous ones for the
+  CLI. Opening a cache dir (import of old records, start-up sweep): `kvproxy.store.opening`.
 - `kvproxy.store.entry`: `Entry`, one saved state, and the old JSON index record.
 """
 
-from .db import DB_NAME, SORTS, IndexDB, Listing, Totals
+from .db import IndexDB
 from .entry import Entry
 from .files import (
     MAX_IDX_BYTES,
@@ -24,6 +26,8 @@ from .files import (
     StoreFiles,
 )
 from .index import Store
+from .listing import SORTS, Listing, Totals
+from .schema import DB_NAME
 
 __all__ = [
     "DB_NAME",

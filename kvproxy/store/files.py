@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,7 @@ class StoreFiles:
         with contextlib.suppress(OSError):
             os.chmod(self.root, 0o700)
 
-    def scan(self, known: dict[str, tuple[str, ...]], sweep: bool) -> Scanned:
+    def scan(self, known: Collection[str], sweep: bool) -> Scanned:
         """One pass over the cache dir at start-up: read the `.idx` records of keys the index
         does not know (checking their files), and note indexed keys whose state file is gone.
         With `sweep`, also delete what no row or record covers: temp files, files of keys

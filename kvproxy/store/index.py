@@ -26,22 +26,24 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ..keys import is_key
-from .db import IndexDB, Listing, Totals
+from .db import IndexDB
 from .entry import Entry
-from .files import Scanned, StoreFiles
+from .files import StoreFiles
+from .listing import Listing, Totals
+from .opening import open_index
+from .perkey import PerKey
+from .thread import IndexThread
+from .view import EntriesView
 
 log = logging.getLogger("kvproxy.store")
 
 T = TypeVar("T")
-
-IMPORT_BATCH = 5000  # `.idx` records imported per transaction
 
 
 class Store:
@@ -57,11 +59,11 @@ class Store:
         self.ready = False  # opened: the proxy serves uncached until then
         self.summary = Totals(0, 0)
         self._pinned: dict[str, int] = {}
-        self._last_op: dict[str, asyncio.Future[Any]] = {}  # per key, the latest file operation
+        self._serial = PerKey().run  # file operations: one at a time per key, in issue order
         self._committing: dict[str, int] = {}  # keys with a commit in flight
         self._watchers: list[set[str]] = []  # keys committed while an eviction runs
         self._local = threading.local()  # one IndexDB per thread
-        self._executor: ThreadPoolExecutor | None = None  # the proxy's index thread
+        self._thread = IndexThread()  # the proxy's index connection lives there
 
     # --- names (any thread)
 
@@ -84,30 +86,36 @@ class Store:
             self._local.db = db
         return db
 
-    async def _db(self, work: Callable[[IndexDB], T]) -> T:
-        """Run `work` on the index thread; the summary is refreshed with it."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvproxy-index")
-        result, totals = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._with_totals, work
-        )
+    async def _db(self, work: Callable[[IndexDB], T], refresh: bool = True) -> T:
+        """Run `work` on the index thread; with `refresh` (writes), the summary is refreshed
+        with it. Lookups leave it be: it changes only with writes, ours (refreshed then) or
+        another process's (housekeeping's refresh, every second)."""
+        result, totals = await self._thread.run(partial(self._with_totals, work, refresh))
+        if totals is not None:
+            self.summary = totals
+        return result
+
+    def _with_totals(
+        self, work: Callable[[IndexDB], T], refresh: bool = True
+    ) -> tuple[T, Totals | None]:
+        db = self._conn()
+        db.written = None
+        result = work(db)
+        if not refresh:
+            return result, None
+        return result, db.written or db.totals()
+
+    def _sync(self, work: Callable[[IndexDB], T]) -> T:
+        result, totals = self._with_totals(work)
+        assert totals is not None
         self.summary = totals
         return result
 
-    def _with_totals(self, work: Callable[[IndexDB], T]) -> tuple[T, Totals]:
-        db = self._conn()
-        return work(db), db.totals()
-
-    def _sync(self, work: Callable[[IndexDB], T]) -> T:
-        result, self.summary = self._with_totals(work)
-        return result
-
     def close(self) -> None:
-        """Close the connections (the proxy's index thread ends with its executor)."""
-        if self._executor is not None:
-            self._executor.submit(self._close_local).result()
-            self._executor.shutdown()
-            self._executor = None
+        """Close the connections and end the proxy's index thread (if it started)."""
+        if self._thread.started:
+            self._thread.call(self._close_local)
+            self._thread.stop()
         self._close_local()
 
     def _close_local(self) -> None:
@@ -128,7 +136,7 @@ class Store:
     def entries(self) -> Mapping[str, Entry]:
         """A read-only view of the committed entries, querying the database in the calling
         thread: for `kvproxy ls|rm|gc` and tests, never the proxy's request paths."""
-        return _EntriesView(self)
+        return EntriesView(self._sync)
 
     def pin(self, key: str) -> None:
         self._pinned[key] = self._pinned.get(key, 0) + 1
@@ -148,22 +156,22 @@ class Store:
 
     async def lookup_async(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
         """The stored entry sharing the longest prefix with `keys`, and that prefix's length."""
-        return await self._db(partial(_longest, keys=keys, namespace=namespace))
+        return await self._db(lambda db: db.longest(keys, namespace), refresh=False)
 
     async def candidates_async(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
         """See `candidates`."""
-        return await self._db(partial(_candidates, keys=keys, namespace=namespace))
+        return await self._db(lambda db: db.candidates(keys, namespace), refresh=False)
 
     async def used_since_async(self, when: float, limit: int = 10_000) -> list[tuple[str, float]]:
         """(key, last_used) of the entries used since `when` (wall clock), newest first."""
-        return await self._db(lambda db: db.used_since(when, limit))
+        return await self._db(lambda db: db.used_since(when, limit), refresh=False)
 
     async def contains_async(self, key: str) -> bool:
-        return await self._db(lambda db: db.contains(key))
+        return await self._db(lambda db: db.contains(key), refresh=False)
 
     async def recent_with_text_async(self, namespace: str, limit: int = 8) -> list[str]:
         """See `recent_with_text`."""
-        return await self._db(lambda db: db.recent_with_text(namespace, limit))
+        return await self._db(lambda db: db.recent_with_text(namespace, limit), refresh=False)
 
     async def refresh_async(self) -> Totals:
         """Re-read the summary (another process may have removed entries)."""
@@ -179,7 +187,7 @@ class Store:
     # --- lookups with no event loop (and tests)
 
     def lookup(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
-        return self._sync(partial(_longest, keys=keys, namespace=namespace))
+        return self._sync(lambda db: db.longest(keys, namespace))
 
     def candidates(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
         """Entries a request could restore, each with the keys it shares with `keys`: the
@@ -187,7 +195,7 @@ class Store:
         boundaries (the request extends it). Index seeks only: no pass over the entries that
         merely share a prefix (every conversation of an agent shares its system prompt).
         Deepest first."""
-        return self._sync(partial(_candidates, keys=keys, namespace=namespace))
+        return self._sync(lambda db: db.candidates(keys, namespace))
 
     def recent_with_text(self, namespace: str, limit: int = 8) -> list[str]:
         """Keys of the most recently used entries of `namespace` whose text was kept: the
@@ -255,15 +263,15 @@ class Store:
         returns; delete their files with `delete_files_async`. Entries pinned for a restore
         stay; a victim whose key was committed again meanwhile is left out (its files are
         the new commit's)."""
-        if self.ttl <= 0 and (
-            self.max_bytes <= 0 or self.summary.bytes + incoming <= self.max_bytes
+        summary, now = self.summary, time.time()
+        if (self.ttl <= 0 or now - summary.oldest <= self.ttl) and (
+            self.max_bytes <= 0 or summary.bytes + incoming <= self.max_bytes
         ):
             return []  # the summary is exact as of the last write: nothing to ask
         pinned = frozenset(self._pinned)
         seen = set(self._committing)
         self._watchers.append(seen)
         try:
-            now = time.time()
             victims = await self._db(
                 lambda db: db.evict(now, self.ttl, self.max_bytes, pinned, incoming)
             )
@@ -275,24 +283,6 @@ class Store:
         """Delete the files of entries `select_victims_async` took out of the index."""
         keys = [e.key for e in victims]
         await self._serial(keys, partial(asyncio.to_thread, self.files.delete, victims))
-
-    def _serial(self, keys: Iterable[str], work: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
-        """Run `work()` once the operations issued earlier on `keys` are done. A task of its
-        own that the caller's cancellation does not reach: a request whose client hung up
-        neither lets a later operation on these keys overtake this one nor leaves the index
-        behind the disk."""
-        keys = list(keys)
-        earlier = {self._last_op[k] for k in keys if k in self._last_op}
-        task = asyncio.ensure_future(_after(earlier, work))
-        for k in keys:
-            self._last_op[k] = task
-        task.add_done_callback(partial(self._op_done, keys))
-        return asyncio.shield(task)
-
-    def _op_done(self, keys: list[str], task: asyncio.Future[Any]) -> None:
-        for k in keys:
-            if self._last_op.get(k) is task:
-                del self._last_op[k]
 
     # --- no event loop (kvproxy ls|rm|gc, tests): database and files in the calling thread
 
@@ -314,29 +304,8 @@ class Store:
         return self.problems
 
     def _open_in(self, db: IndexDB, sweep: bool) -> list[tuple[str, str]]:
-        """The open's work, on the index thread: one directory scan and one pass over the
-        keys (start-up only), the import of old records in a few transactions."""
-        self.files.create()
-        if not sweep and db.get_meta("opened") is not None:
-            return []  # imported before: rows are the truth, no scan for the CLI
-        scanned: Scanned = self.files.scan(db.all_files(), sweep)
-        for i in range(0, len(scanned.imported), IMPORT_BATCH):
-            db.insert_many(scanned.imported[i : i + IMPORT_BATCH])
-        if scanned.imported:
-            log.info("imported %d entries from .idx records", len(scanned.imported))
-        # The rows are committed: the records they came from go (see drop_records).
-        good = {e.key for e in scanned.imported}
-        if sweep:
-            self.files.drop_records(scanned.records)
-        else:
-            self.files.drop_records(k for k in scanned.records if k in good)
-        for key in scanned.missing:  # state file gone (an older kvproxy swept it)
-            row = db.delete(key)
-            if row is not None and sweep:
-                self.files.delete([row])
-        if not scanned.problems:  # else a later open tries (and reports) them again
-            db.set_meta("opened", str(time.time()))
-        return scanned.problems
+        """The open's work (`kvproxy.store.opening`), on the thread that owns `db`."""
+        return open_index(db, self.files, sweep)
 
     def commit(self, entry: Entry, temp: str) -> Entry:
         if not (self.root / temp).exists():
@@ -413,55 +382,3 @@ class Store:
     def _log_opened(self) -> None:
         n, size = self.summary.entries, self.summary.bytes
         log.info("cache dir %s: %d entries, %d bytes", self.root, n, size)
-
-
-def _longest(db: IndexDB, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
-    return db.longest(keys, namespace)
-
-
-def _candidates(db: IndexDB, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
-    out: list[tuple[Entry, int]] = []
-    longest = db.longest(keys, namespace)
-    if longest is not None:
-        out.append(longest)
-    for entry, depth in db.ending_at(keys, namespace):
-        if longest is None or entry.key != longest[0].key:
-            out.append((entry, depth))
-    return out
-
-
-class _EntriesView(Mapping[str, Entry]):
-    """`Store.entries`: the rows, read in the calling thread."""
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-
-    def __getitem__(self, key: str) -> Entry:
-        found = self._store._sync(lambda db: db.get(key))
-        if found is None:
-            raise KeyError(key)
-        return found
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._store._sync(lambda db: db.contains(key))
-
-    def __len__(self) -> int:
-        return self._store._sync(lambda db: db.totals().entries)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([e.key for e in self._all()])
-
-    def _all(self) -> list[Entry]:
-        return self._store._sync(lambda db: list(db.oldest()))
-
-    def values(self) -> list[Entry]:  # type: ignore[override]
-        return self._all()
-
-    def items(self) -> list[tuple[str, Entry]]:  # type: ignore[override]
-        return [(e.key, e) for e in self._all()]
-
-
-async def _after(earlier: set[asyncio.Future[Any]], work: Callable[[], Awaitable[T]]) -> T:
-    if earlier:
-        await asyncio.wait(earlier)
-    return await work()
