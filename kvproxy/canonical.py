@@ -16,12 +16,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from .keys import PROMPT_FIELDS
 from .llama import LlamaClient
+from .tokensplit import tokenize_all
 from .upstream import UpstreamError
+
+# How the renders become tokens: tokensplit's head-once path; the full path to compare with.
+TokenizeAll = Callable[[LlamaClient, Sequence[str]], Awaitable[list[list[int]]]]
 
 # Request fields that the server's template rendering reads, beyond the messages.
 TEMPLATE_FIELDS = (*PROMPT_FIELDS, "tool_choice", "response_format")
@@ -114,6 +118,7 @@ async def prefix_tokens(
     fields: Mapping[str, Any],
     messages: Sequence[Any],
     style: str | None = None,
+    tokenize: TokenizeAll = tokenize_all,
 ) -> list[int] | None:
     """The canonical prefix of the request after `messages` (whose last one is the reply as
     echoed), or None when the server cannot render it (then the slot is saved as it is)."""
@@ -128,7 +133,7 @@ async def prefix_tokens(
     if len(unique) < 2:
         # One rendering (or none) tells nothing about where the next message starts.
         return None
-    token_lists = await asyncio.gather(*(client.tokenize(p) for p in unique))
+    token_lists = await tokenize(client, unique)
     return common_prefix(token_lists) or None
 
 
