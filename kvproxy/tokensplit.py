@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,18 +116,61 @@ async def tokenize_each(client: LlamaClient, texts: Sequence[str]) -> list[list[
     return list(await asyncio.gather(*(client.tokenize(t) for t in texts)))
 
 
-async def tokenize_all(client: LlamaClient, texts: Sequence[str]) -> list[list[int]]:
+async def tokenize_all(
+    client: LlamaClient, texts: Sequence[str], heads: Heads | None = None
+) -> list[list[int]]:
     """The same tokens as `tokenize_each`, tokenising the shared head only once when a safe
-    boundary is found and proven."""
+    boundary is found and proven, and only its new part when `heads` knows its start."""
     found = candidates(texts) if len(texts) > 1 else []
     if found:
         try:
-            stitched = await _stitched(client, found, texts)
+            stitched = await _stitched(client, found, texts, heads)
         except UpstreamError:
             stitched = None  # a probe refused: the full path says whether the server can
         if stitched is not None:
             return stitched
     return await tokenize_each(client, texts)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A head tokenised up to a proven boundary, that a later save may start from."""
+
+    text: str
+    marker: str  # the control token's text it ends with
+    body: list[int]  # its tokens with add_special, the trailer left out; the marker's last
+    trailer: list[int]  # what add_special puts at the end (EOS, SEP): mostly nothing
+    wrap: list[int]  # `tokenize("")` with add_special, when it was tokenised
+    before: str  # the window before the boundary (check 4) …
+    before_tokens: list[int]  # … and its tokens: the same tokeniser gives the same ones
+
+
+class Heads:
+    """The last heads tokenised. A conversation's next save renders its text and more, so
+    its head is the last one's plus the new turns: only those are tokenised. Owned by the
+    app (one per llama-server); a few per live conversation at most."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self.capacity = capacity
+        self._heads: OrderedDict[str, Head] = OrderedDict()
+
+    def longest(self, text: str, limit: int) -> Head | None:
+        """The longest known head of at most `limit` characters that `text` starts with."""
+        best: Head | None = None
+        for head in self._heads.values():
+            n = len(head.text)
+            if n <= limit and (best is None or n > len(best.text)) and text.startswith(head.text):
+                best = head
+        return best
+
+    def add(self, head: Head) -> None:
+        self._heads[head.text] = head
+        self._heads.move_to_end(head.text)
+        while len(self._heads) > self.capacity:
+            self._heads.popitem(last=False)
+
+    async def tokenize_all(self, client: LlamaClient, texts: Sequence[str]) -> list[list[int]]:
+        return await tokenize_all(client, texts, self)
 
 
 async def special_markers(client: LlamaClient, markers: Sequence[str]) -> dict[str, int]:
@@ -148,20 +192,43 @@ async def special_markers(client: LlamaClient, markers: Sequence[str]) -> dict[s
     return special
 
 
+async def _none() -> list[int]:
+    return []
+
+
 async def _stitched(
-    client: LlamaClient, found: Sequence[Boundary], texts: Sequence[str]
+    client: LlamaClient, found: Sequence[Boundary], texts: Sequence[str], heads: Heads | None
 ) -> list[list[int]] | None:
-    special = await special_markers(client, [b.marker for b in found])
+    first = texts[0]
+    known = heads.longest(first, found[0].at) if heads is not None else None
+    probed = [b.marker for b in found] + ([known.marker] if known else [])
+    special, wrap = await asyncio.gather(
+        special_markers(client, probed), client.tokenize("", add_special=True)
+    )
     plan = next((b for b in found if b.marker in special), None)
     if plan is None:
         return None
+    if known is not None and not _still_valid(known, first, plan.at, special, wrap):
+        known = None
+    # The head up to the plan's boundary: in full, or only what follows the known head's.
+    at0 = len(known.text) if known is not None else 0
+    after0 = first[at0 : min(at0 + GUARD, plan.at)]
+    if known is None:
+        head_call = client.tokenize(first[: plan.at])
+    elif at0 < plan.at:
+        head_call = client.tokenize(first[at0 : plan.at], add_special=False)
+    else:
+        head_call = _none()
+    known_before = known.before if known is not None and after0 else ""
+    n = len(texts)
     # All at once: the checks cost a millisecond beside the head, and are wasted only when
     # one fails.
-    n = len(texts)
-    head, wrap, before, *rest = await asyncio.gather(
-        client.tokenize(texts[0][: plan.at]),
-        client.tokenize("", add_special=True),
+    head, before, k_before, k_after, k_whole, *rest = await asyncio.gather(
+        head_call,
         client.tokenize(plan.before, add_special=False),
+        client.tokenize(known_before, add_special=False) if known_before else _none(),
+        client.tokenize(after0, add_special=False) if known_before else _none(),
+        client.tokenize(known_before + after0, add_special=False) if known_before else _none(),
         *(client.tokenize(t[plan.at :], add_special=False) for t in texts),
         *(client.tokenize(after, add_special=False) for after in plan.after),
         *(client.tokenize(plan.before + after, add_special=False) for after in plan.after),
@@ -169,8 +236,27 @@ async def _stitched(
     tails, afters, wholes = rest[:n], rest[n : 2 * n], rest[2 * n :]
     if any(whole != before + after for whole, after in zip(wholes, afters, strict=True)):
         return None
-    parts = split_head(head, special[plan.marker], wrap)
-    if parts is None:
-        return None
-    body, trailer = parts
+    marker = special[plan.marker]
+    if known is None:
+        parts = split_head(head, marker, wrap)
+        if parts is None:
+            return None
+        body, trailer = parts
+    else:
+        if known_before and (k_before != known.before_tokens or k_whole != k_before + k_after):
+            return await _stitched(client, found, texts, None)  # the known head's seam moved
+        body, trailer = known.body + head, known.trailer
+        if body[-1] != marker:
+            return None
+    if heads is not None:
+        heads.add(Head(first[: plan.at], plan.marker, body, trailer, wrap, plan.before, before))
     return [body + tail + trailer for tail in tails]
+
+
+def _still_valid(known: Head, text: str, at: int, special: dict[str, int], wrap: list[int]) -> bool:
+    """Checks 1 and 3 for the known head's boundary in `text` (cut at `at`), and that the
+    tokeniser still answers as it did (check 4 follows with the window's tokens)."""
+    at0 = len(known.text)
+    if at0 > at or special.get(known.marker) != known.body[-1] or wrap != known.wrap:
+        return False
+    return at0 == at or not text[at0].isspace()

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvproxy import canonical, tokensplit
+from kvproxy.bench.canonical import GEMMA_TEMPLATE, CountingClient
 from kvproxy.bench.conversations import system_prompt
-from kvproxy.llama import LlamaClient
 from kvproxy.upstream import Upstream
 
 from .conftest import RealServer, start_real_server
@@ -105,21 +105,6 @@ def conversations() -> list[tuple[str, dict[str, Any], list[dict[str, Any]], str
     ]
 
 
-class CountingClient(LlamaClient):
-    """Records the length of every text tokenised with add_special: full renders or heads."""
-
-    def __init__(self, upstream: Upstream) -> None:
-        super().__init__(upstream)
-        self.special_texts: list[int] = []
-
-    async def tokenize(
-        self, text: str, add_special: bool = True, parse_special: bool = True
-    ) -> list[int]:
-        if add_special and text:
-            self.special_texts.append(len(text))
-        return await super().tokenize(text, add_special, parse_special)
-
-
 @pytest.fixture
 async def client_for() -> AsyncIterator[Any]:
     upstreams: list[Upstream] = []
@@ -133,21 +118,6 @@ async def client_for() -> AsyncIterator[Any]:
     yield make
     for upstream in upstreams:
         await upstream.close()
-
-
-# Gemma 3's turn markup (a stand-in for its own template, which the bundled GGUF lacks), with
-# tool calls and multi-part content.
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{%- for m in messages -%}"
-    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{%- if m['content'] is string -%}{{ m['content'] | trim }}"
-    "{%- elif m['content'] -%}{%- for p in m['content'] -%}{{ p['text'] }}{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- for c in m.get('tool_calls') or [] -%}"
-    "<tool_call>{{ c['function'] | tojson }}</tool_call>{%- endfor -%}"
-    "<end_of_turn>\n{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}"
-)
 
 
 @pytest.fixture
@@ -229,3 +199,35 @@ async def test_tokenize_all_equals_each_on_crafted_texts(
         assert await tokensplit.tokenize_all(client, texts) == await tokensplit.tokenize_each(
             client, texts
         )
+
+
+async def saves_of_a_growing_conversation(client: CountingClient) -> None:
+    """Three saves of one conversation, each a turn longer, through one Heads: the same
+    prefixes as the full path, and from the second save on no render is tokenised whole."""
+    heads = tokensplit.Heads()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": LONG}]
+    for turn in range(3):
+        messages += [
+            {"role": "user", "content": f"Question {turn}: {UNICODE}"},
+            {"role": "assistant", "content": f"Answer {turn}. " * 30},
+        ]
+        full = await canonical.prefix_tokens(
+            client, {}, messages, tokenize=tokensplit.tokenize_each
+        )
+        client.special_texts.clear()
+        assert full is not None
+        assert await canonical.prefix_tokens(client, {}, messages, heads=heads) == full, turn
+        long_ones = [n for n in client.special_texts if n > 1000]
+        assert len(long_ones) == (1 if turn == 0 else 0), (turn, client.special_texts)
+
+
+async def test_gemma_later_saves_tokenise_only_new_turns(
+    gemma_template: RealServer, client_for: Any
+) -> None:
+    await saves_of_a_growing_conversation(await client_for(gemma_template.url))
+
+
+async def test_tiny_chatml_later_saves_tokenise_only_new_turns(
+    tiny_chatml: RealServer, client_for: Any
+) -> None:
+    await saves_of_a_growing_conversation(await client_for(tiny_chatml.url))
