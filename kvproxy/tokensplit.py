@@ -3,7 +3,10 @@ where the server's tokeniser provably starts afresh. The result is what tokenisi
 in full gives; whenever a check below fails, each text is tokenised in full.
 
 The canonical prefix (canonical.py) tokenises a few renders of one conversation that differ
-only after its last message or two, so tokenising each in full repeats thousands of tokens.
+only after its last message or two, so tokenising each in full repeats thousands of tokens;
+and a conversation's next save renders the same text again plus a turn or two. So the head
+is tokenised once per save, and `Heads` keeps the last heads so that a later save tokenises
+only the text after the head its conversation's previous save ended at (checked again there).
 
 Why a boundary is safe, from llama.cpp's src/llama-vocab.cpp (`tokenizer_st_partition`,
 `impl::tokenize`) and tools/server's `/tokenize` (`tokenize_mixed` → `common_tokenize` with

@@ -1,18 +1,19 @@
-"""`canonical`: what a save's canonical-prefix step costs on the real server, by size, with
-every render tokenised in full ("before") and with the shared head tokenised once
-(tokensplit.py, "after").
+"""`canonical`: what a save's canonical-prefix step costs on the real server, by size: the
+renders, their tokenisation three ways, and the evaluation on the slot.
 
-Per template and size: a conversation (system prompt of about `size` tokens, a question, the
-model's reply) is put in the server's only slot, then, `repeats` times: the slot is made to
-hold the prompt and reply again (the same greedy request), the probe renders are made
-(`/apply-template`), tokenised both ways (the two results must be identical), and the
-canonical prefix is evaluated on the slot (`/completion`, n_predict 0), as a save does.
+Per template and size: one conversation (a system prompt of about `size` tokens) runs
+`repeats + 1` turns in the server's only slot; after each reply the step a save makes runs
+as slotwork does it: the probe renders (`/apply-template`), tokenised (1) every render in
+full, as before tokensplit.py ("all"), (2) the shared head once and the tails apart, as a
+conversation's first save does ("head once"), (3) with the Heads the previous saves left, as
+its later saves do ("with heads"); the three token lists must be identical. Then the
+canonical prefix is evaluated on the slot (`/completion`, n_predict 0). The first turn's
+save only fills the Heads: the medians are over the later ones.
 
 Two templates: the model's own (for the bundled Gemma 3 270M, whose GGUF has none, the
-server's ChatML fallback, whose markers are plain text to Gemma: no safe boundary, so the
-"after" path is the full one plus a probe), and Gemma-style turn markup
-(GEMMA_TEMPLATE, `<start_of_turn>` being Gemma's control token), as an instruct model's own
-template renders it.
+server's ChatML fallback, whose markers are plain text to Gemma: there is no safe seam, so
+every way is the full path, plus a probe), and Gemma-style turn markup (GEMMA_TEMPLATE;
+`<start_of_turn>` is Gemma's control token), as an instruct model's own template renders.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..llama import LlamaClient
 from ..upstream import Upstream
 from .arms import BenchEnv, DirectArm
 from .client import Client
-from .conversations import facts_for, first_turn
+from .conversations import facts_for, first_turn, next_turn
 from .report import progress, table
 
 # Gemma 3's turn markup, with tool calls and multi-part content (the tests use it too).
@@ -57,7 +58,8 @@ class CanonicalOptions:
 
     @property
     def ctx_per_slot(self) -> int:
-        return -(-(max(self.sizes) + 512) // 256) * 256
+        # The facts run ~15% over their estimate; the turns add a few hundred tokens.
+        return -(-(int(max(self.sizes) * 1.2) + 1024) // 256) * 256
 
 
 @dataclass
@@ -69,7 +71,8 @@ class Row:
     head_once: bool = False  # the shared head was tokenised once (else every render in full)
     render_ms: float = 0.0
     full_ms: float = 0.0  # tokenising every render in full
-    split_ms: float = 0.0  # tokensplit.tokenize_all
+    split_ms: float = 0.0  # tokensplit.tokenize_all: a conversation's first save
+    heads_ms: float = 0.0  # the same with the Heads of its earlier saves: later saves
     evaluate_ms: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -79,7 +82,7 @@ class Row:
 
     @property
     def after_ms(self) -> float:
-        return self.render_ms + self.split_ms + self.evaluate_ms
+        return self.render_ms + self.heads_ms + self.evaluate_ms
 
 
 @dataclass
@@ -144,48 +147,56 @@ async def _measure(
 ) -> Row:
     row = Row(template, size)
     llama = CountingClient(upstream)
+    heads = tokensplit.Heads()  # carried from save to save, as slotwork's is
     messages = first_turn(size, facts_for(size))
-    times: dict[str, list[float]] = {"render": [], "full": [], "split": [], "evaluate": []}
-    for i in range(opts.repeats):
+    times: dict[str, list[float]] = {k: [] for k in ("render", "full", "once", "heads", "eval")}
+    for turn in range(opts.repeats + 1):
         reply = await client.chat(url, messages, opts.reply_tokens, id_slot=0)
         if not reply.ok:
             row.errors.append(reply.error or "chat failed")
             break
         conversation = [*messages, {"role": "assistant", "content": reply.content}]
+        messages = next_turn(messages, reply.content, turn + 2)
         t0 = time.perf_counter()
         prompts = await canonical.renders(llama, {}, conversation)
         t1 = time.perf_counter()
         if prompts is None:
             row.errors.append("no renders")
             break
-        # Alternate which path goes first: neither gains from the other's warm-up.
-        order = [tokensplit.tokenize_each, tokensplit.tokenize_all]
+        ways: dict[str, Any] = {
+            "full": tokensplit.tokenize_each,
+            "once": tokensplit.tokenize_all,
+            "heads": heads.tokenize_all,
+        }
+        names = list(ways)
+        # Rotate which way goes first: none gains from another's warm-up.
+        names = names[turn % 3 :] + names[: turn % 3]
         spent: dict[str, float] = {}
         results: dict[str, list[int]] = {}
-        for path in order if i % 2 == 0 else order[::-1]:
+        for name in names:
             llama.special_texts.clear()
             started = time.perf_counter()
-            results[path.__name__] = canonical.common_prefix(await path(llama, prompts))
-            spent[path.__name__] = time.perf_counter() - started
-            if path is tokensplit.tokenize_all:
+            results[name] = canonical.common_prefix(await ways[name](llama, prompts))
+            spent[name] = time.perf_counter() - started
+            if name == "once":
                 row.head_once = llama.long_ones() == 1
-        full, split = results["tokenize_each"], results["tokenize_all"]
-        if full != split:
-            row.errors.append(f"head-once tokens differ ({len(full)} vs {len(split)})")
+        if not results["full"] == results["once"] == results["heads"]:
+            row.errors.append(f"turn {turn}: the ways' tokens differ")
             break
         t2 = time.perf_counter()
-        await llama.evaluate(0, full)
+        await llama.evaluate(0, results["full"])
         t3 = time.perf_counter()
-        row.tokens, row.renders = len(full), len(prompts)
+        row.tokens, row.renders = len(results["full"]), len(prompts)
+        if turn == 0:
+            continue  # the heads are empty at a conversation's first save: that is "once"
         times["render"].append(t1 - t0)
-        times["full"].append(spent["tokenize_each"])
-        times["split"].append(spent["tokenize_all"])
-        times["evaluate"].append(t3 - t2)
+        times["eval"].append(t3 - t2)
+        for name in ways:
+            times[name].append(spent[name])
     if times["render"]:
-        row.render_ms = statistics.median(times["render"]) * 1000
-        row.full_ms = statistics.median(times["full"]) * 1000
-        row.split_ms = statistics.median(times["split"]) * 1000
-        row.evaluate_ms = statistics.median(times["evaluate"]) * 1000
+        med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        row.render_ms, row.evaluate_ms = med["render"], med["eval"]
+        row.full_ms, row.split_ms, row.heads_ms = med["full"], med["once"], med["heads"]
     return row
 
 
@@ -196,8 +207,9 @@ def markdown(res: CanonicalResult) -> str:
         "renders",
         "head once",
         "render ms",
-        "tokenise before ms",
-        "tokenise after ms",
+        "tokenise: all ms",
+        "head once ms",
+        "with heads ms",
         "evaluate ms",
         "step before ms",
         "step after ms",
@@ -211,6 +223,7 @@ def markdown(res: CanonicalResult) -> str:
             f"{r.render_ms:.1f}",
             f"{r.full_ms:.1f}",
             f"{r.split_ms:.1f}",
+            f"{r.heads_ms:.1f}",
             f"{r.evaluate_ms:.1f}",
             f"{r.before_ms:.1f}",
             f"{r.after_ms:.1f}",
@@ -220,8 +233,11 @@ def markdown(res: CanonicalResult) -> str:
     text = table(columns, rows)
     errors = [f"- {r.template} {r.target}: {e}" for r in res.rows for e in r.errors]
     note = (
-        f"\nMedians of {res.options.repeats} saves per row; tokenise before = every render "
-        "in full, after = the shared head once (tokensplit.py); the two token lists are "
-        "compared on every save."
+        f"\nMedians of the saves after turns 2..{res.options.repeats + 1} of one conversation "
+        "(a turn each). Tokenise: all = every render in full (before); head once = the shared "
+        "head once and the tails apart (a conversation's first save); with heads = only the "
+        "text after the head the previous save tokenised (later saves). The three token lists "
+        "are compared on every save. Step before = render + all + evaluate; step after = "
+        "render + with heads + evaluate."
     )
     return text + note + ("\n\nErrors:\n" + "\n".join(errors) if errors else "")
