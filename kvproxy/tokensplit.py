@@ -156,6 +156,15 @@ class Heads:
     def __init__(self, capacity: int = 16) -> None:
         self.capacity = capacity
         self._heads: OrderedDict[str, Head] = OrderedDict()
+        # Markers the server read as plain text: not probed again, so a template whose tags
+        # are no tokens of the model's (the bundled Gemma's ChatML) costs nothing extra.
+        # Forgetting one (a model swap) only misses a speed-up.
+        self.plain: set[str] = set()
+
+    def learn_plain(self, markers: Sequence[str]) -> None:
+        if len(self.plain) > 64:
+            self.plain.clear()
+        self.plain.update(markers)
 
     def longest(self, text: str, limit: int) -> Head | None:
         """The longest known head of at most `limit` characters that `text` starts with."""
@@ -199,21 +208,24 @@ async def _none() -> list[int]:
     return []
 
 
-async def _stitched(
-    client: LlamaClient, found: Sequence[Boundary], texts: Sequence[str], heads: Heads | None
-) -> list[list[int]] | None:
+@dataclass(frozen=True)
+class _Attempt:
+    """The calls for one boundary (and the known head, if any) and their answers."""
+
+    plan: Boundary
+    known: Head | None
+    head: list[int]  # the head in full, or the part after the known head's seam
+    before: list[int]
+    known_checks: tuple[list[int], list[int], list[int]]  # its window: before, after, whole
+    tails: list[list[int]]
+    afters: list[list[int]]
+    wholes: list[list[int]]
+
+
+async def _attempt(
+    client: LlamaClient, plan: Boundary, texts: Sequence[str], known: Head | None
+) -> _Attempt:
     first = texts[0]
-    known = heads.longest(first, found[0].at) if heads is not None else None
-    probed = [b.marker for b in found] + ([known.marker] if known else [])
-    special, wrap = await asyncio.gather(
-        special_markers(client, probed), client.tokenize("", add_special=True)
-    )
-    plan = next((b for b in found if b.marker in special), None)
-    if plan is None:
-        return None
-    if known is not None and not _still_valid(known, first, plan.at, special, wrap):
-        known = None
-    # The head up to the plan's boundary: in full, or only what follows the known head's.
     at0 = len(known.text) if known is not None else 0
     after0 = first[at0 : min(at0 + GUARD, plan.at)]
     if known is None:
@@ -222,38 +234,89 @@ async def _stitched(
         head_call = client.tokenize(first[at0 : plan.at], add_special=False)
     else:
         head_call = _none()
-    known_before = known.before if known is not None and after0 else ""
+    k_before = known.before if known is not None and after0 else ""
     n = len(texts)
-    # All at once: the checks cost a millisecond beside the head, and are wasted only when
-    # one fails.
-    head, before, k_before, k_after, k_whole, *rest = await asyncio.gather(
+    # All at once: the checks cost a millisecond beside the head.
+    head, before, kb, ka, kw, *rest = await asyncio.gather(
         head_call,
         client.tokenize(plan.before, add_special=False),
-        client.tokenize(known_before, add_special=False) if known_before else _none(),
-        client.tokenize(after0, add_special=False) if known_before else _none(),
-        client.tokenize(known_before + after0, add_special=False) if known_before else _none(),
+        client.tokenize(k_before, add_special=False) if k_before else _none(),
+        client.tokenize(after0, add_special=False) if k_before else _none(),
+        client.tokenize(k_before + after0, add_special=False) if k_before else _none(),
         *(client.tokenize(t[plan.at :], add_special=False) for t in texts),
         *(client.tokenize(after, add_special=False) for after in plan.after),
         *(client.tokenize(plan.before + after, add_special=False) for after in plan.after),
     )
-    tails, afters, wholes = rest[:n], rest[n : 2 * n], rest[2 * n :]
-    if any(whole != before + after for whole, after in zip(wholes, afters, strict=True)):
+    return _Attempt(
+        plan, known, head, before, (kb, ka, kw), rest[:n], rest[n : 2 * n], rest[2 * n :]
+    )
+
+
+async def _stitched(
+    client: LlamaClient, found: Sequence[Boundary], texts: Sequence[str], heads: Heads | None
+) -> list[list[int]] | None:
+    if heads is not None:
+        found = [b for b in found if b.marker not in heads.plain]
+    if not found:
+        return None
+    first = texts[0]
+    known = heads.longest(first, found[0].at) if heads is not None else None
+    probed = list(dict.fromkeys([b.marker for b in found] + ([known.marker] if known else [])))
+    # The last boundary's calls go with the probes (one round trip): its marker is almost
+    # always the one proven; when not, they are redone for the next.
+    special, wrap, attempt = await asyncio.gather(
+        special_markers(client, probed),
+        client.tokenize("", add_special=True),
+        _attempt(client, found[0], texts, known),
+    )
+    if heads is not None:
+        heads.learn_plain([m for m in probed if m not in special])
+    if found[0].marker not in special:
+        plan = next((b for b in found if b.marker in special), None)
+        if plan is None:
+            return None
+        known = heads.longest(first, plan.at) if heads is not None else None
+        attempt = await _attempt(client, plan, texts, known)
+    stitched = _assemble(attempt, texts, special, wrap, heads)
+    if stitched is None and attempt.known is not None:
+        # The known head's seam did not hold in this text: the head in full.
+        attempt = await _attempt(client, attempt.plan, texts, None)
+        stitched = _assemble(attempt, texts, special, wrap, heads)
+    return stitched
+
+
+def _assemble(
+    attempt: _Attempt,
+    texts: Sequence[str],
+    special: dict[str, int],
+    wrap: list[int],
+    heads: Heads | None,
+) -> list[list[int]] | None:
+    """Checks 4 and the head's shape on an attempt's answers; the tokens, or None."""
+    plan, known, first = attempt.plan, attempt.known, texts[0]
+    pairs = zip(attempt.wholes, attempt.afters, strict=True)
+    if any(whole != attempt.before + after for whole, after in pairs):
         return None
     marker = special[plan.marker]
     if known is None:
-        parts = split_head(head, marker, wrap)
+        parts = split_head(attempt.head, marker, wrap)
         if parts is None:
             return None
         body, trailer = parts
     else:
-        if known_before and (k_before != known.before_tokens or k_whole != k_before + k_after):
-            return await _stitched(client, found, texts, None)  # the known head's seam moved
-        body, trailer = known.body + head, known.trailer
+        if not _still_valid(known, first, plan.at, special, wrap):
+            return None
+        kb, ka, kw = attempt.known_checks
+        if known.before and len(known.text) < plan.at:
+            if kb != known.before_tokens or kw != kb + ka:
+                return None
+        body, trailer = known.body + attempt.head, known.trailer
         if body[-1] != marker:
             return None
     if heads is not None:
-        heads.add(Head(first[: plan.at], plan.marker, body, trailer, wrap, plan.before, before))
-    return [body + tail + trailer for tail in tails]
+        head = Head(first[: plan.at], plan.marker, body, trailer, wrap, plan.before, attempt.before)
+        heads.add(head)
+    return [body + tail + trailer for tail in attempt.tails]
 
 
 def _still_valid(known: Head, text: str, at: int, special: dict[str, int], wrap: list[int]) -> bool:

@@ -30,12 +30,14 @@ class ToyClient(LlamaClient):
         self.eos = eos
         self.vocab: dict[str, int] = {}
         self.full: list[int] = []  # lengths of the texts tokenised with add_special
+        self.probes = 0  # calls without parse_special: only check 1 makes them
 
     async def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
         if add_special and text:
             self.full.append(len(text))
+        self.probes += not parse_special
         out = [BOS] if add_special else []
         names = sorted(self.specials, key=len, reverse=True)
         if parse_special and names:
@@ -112,7 +114,8 @@ async def test_markers_that_are_text_take_the_full_path() -> None:
     expected = await tokensplit.tokenize_each(client, RENDERS)
     client.full.clear()
     assert await tokensplit.tokenize_all(client, RENDERS) == expected
-    assert len([n for n in client.full if n > 100]) == 2
+    # Both renders in full, and the head asked for with the probes (it went unused).
+    assert len([n for n in client.full if n > 100]) == 3
 
 
 async def test_a_longer_special_token_across_the_boundary_takes_the_full_path() -> None:
@@ -161,3 +164,15 @@ async def test_prefix_tokens_with_heads_equals_the_full_path() -> None:
     full = await canonical.prefix_tokens(client, {}, messages, tokenize=tokensplit.tokenize_each)
     assert full is not None
     assert await canonical.prefix_tokens(client, {}, messages, heads=tokensplit.Heads()) == full
+
+
+async def test_heads_remember_markers_that_are_text() -> None:
+    client = ToyClient({})
+    heads = tokensplit.Heads()
+    expected = await tokensplit.tokenize_each(client, RENDERS)
+    assert await heads.tokenize_all(client, RENDERS) == expected
+    assert client.probes == 1 and heads.plain == {TURN}
+    client.full.clear()  # now no head is asked for with probes: there are none
+    assert await heads.tokenize_all(client, RENDERS) == expected
+    assert client.probes == 1  # not asked again: straight to the full path
+    assert len([n for n in client.full if n > 100]) == 2
