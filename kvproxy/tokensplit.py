@@ -43,6 +43,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .llama import LlamaClient
 from .upstream import UpstreamError
@@ -57,6 +58,32 @@ _MARKER = re.compile(r"<[^<>\s]{1,62}>")
 
 # Distinct markers, the last ones in the shared text, that are probed as special tokens.
 PROBED = 4
+
+# Calls in flight at once. llama-server serves HTTP on a fixed pool of threads (n_parallel + 2
+# by default, tools/server), each holding its keep-alive connection: a burst of a dozen
+# connections got some answered "Server disconnected" (kvproxy bench canonical, 1 slot).
+# Two is what tokenising two renders in full asked for.
+IN_FLIGHT = 2
+
+
+class Tokenizer(Protocol):
+    async def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]: ...
+
+
+class _Bounded:
+    """A client's tokenize with at most `limit` calls in flight."""
+
+    def __init__(self, client: Tokenizer, limit: int = IN_FLIGHT) -> None:
+        self.client = client
+        self._slots = asyncio.Semaphore(limit)
+
+    async def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        async with self._slots:
+            return await self.client.tokenize(text, add_special, parse_special)
 
 
 @dataclass(frozen=True)
@@ -127,7 +154,7 @@ async def tokenize_all(
     found = candidates(texts) if len(texts) > 1 else []
     if found:
         try:
-            stitched = await _stitched(client, found, texts, heads)
+            stitched = await _stitched(_Bounded(client), found, texts, heads)
         except UpstreamError:
             stitched = None  # a probe refused: the full path says whether the server can
         if stitched is not None:
@@ -185,7 +212,7 @@ class Heads:
         return await tokenize_all(client, texts, self)
 
 
-async def special_markers(client: LlamaClient, markers: Sequence[str]) -> dict[str, int]:
+async def special_markers(client: Tokenizer, markers: Sequence[str]) -> dict[str, int]:
     """Check 1: the markers the server reads as one token only with parse_special, each
     with that token."""
     distinct = list(dict.fromkeys(markers))
@@ -223,7 +250,7 @@ class _Attempt:
 
 
 async def _attempt(
-    client: LlamaClient, plan: Boundary, texts: Sequence[str], known: Head | None
+    client: Tokenizer, plan: Boundary, texts: Sequence[str], known: Head | None
 ) -> _Attempt:
     first = texts[0]
     at0 = len(known.text) if known is not None else 0
@@ -253,7 +280,7 @@ async def _attempt(
 
 
 async def _stitched(
-    client: LlamaClient, found: Sequence[Boundary], texts: Sequence[str], heads: Heads | None
+    client: Tokenizer, found: Sequence[Boundary], texts: Sequence[str], heads: Heads | None
 ) -> list[list[int]] | None:
     if heads is not None:
         found = [b for b in found if b.marker not in heads.plain]
