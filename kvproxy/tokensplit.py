@@ -279,6 +279,10 @@ async def _attempt(
     )
 
 
+async def _no_attempt() -> _Attempt | None:
+    return None
+
+
 async def _stitched(
     client: Tokenizer, found: Sequence[Boundary], texts: Sequence[str], heads: Heads | None
 ) -> list[list[int]] | None:
@@ -289,20 +293,24 @@ async def _stitched(
     first = texts[0]
     known = heads.longest(first, found[0].at) if heads is not None else None
     probed = list(dict.fromkeys([b.marker for b in found] + ([known.marker] if known else [])))
-    # The last boundary's calls go with the probes (one round trip): its marker is almost
-    # always the one proven; when not, they are redone for the next.
-    special, wrap, attempt = await asyncio.gather(
+    # With heads, the last boundary's calls go with the probes (one round trip): its marker
+    # is almost always the one proven, and a marker that is text is probed only once. With
+    # none, a template of no control tokens would pay for a head in full on every call.
+    special, wrap, speculated = await asyncio.gather(
         special_markers(client, probed),
         client.tokenize("", add_special=True),
-        _attempt(client, found[0], texts, known),
+        _attempt(client, found[0], texts, known) if heads is not None else _no_attempt(),
     )
     if heads is not None:
         heads.learn_plain([m for m in probed if m not in special])
-    if found[0].marker not in special:
+    if speculated is not None and found[0].marker in special:
+        attempt = speculated
+    else:
         plan = next((b for b in found if b.marker in special), None)
         if plan is None:
             return None
-        known = heads.longest(first, plan.at) if heads is not None else None
+        if plan is not found[0]:
+            known = heads.longest(first, plan.at) if heads is not None else None
         attempt = await _attempt(client, plan, texts, known)
     stitched = _assemble(attempt, texts, special, wrap, heads)
     if stitched is None and attempt.known is not None:

@@ -114,8 +114,8 @@ async def test_markers_that_are_text_take_the_full_path() -> None:
     expected = await tokensplit.tokenize_each(client, RENDERS)
     client.full.clear()
     assert await tokensplit.tokenize_all(client, RENDERS) == expected
-    # Both renders in full, and the head asked for with the probes (it went unused).
-    assert len([n for n in client.full if n > 100]) == 3
+    # Both renders in full: without Heads the probes go first, and fail.
+    assert len([n for n in client.full if n > 100]) == 2
 
 
 async def test_a_longer_special_token_across_the_boundary_takes_the_full_path() -> None:
@@ -172,7 +172,7 @@ async def test_heads_remember_markers_that_are_text() -> None:
     expected = await tokensplit.tokenize_each(client, RENDERS)
     assert await heads.tokenize_all(client, RENDERS) == expected
     assert client.probes == 1 and heads.plain == {TURN}
-    client.full.clear()  # now no head is asked for with probes: there are none
+    client.full.clear()  # now no probe, and no head asked for with one
     assert await heads.tokenize_all(client, RENDERS) == expected
     assert client.probes == 1  # not asked again: straight to the full path
     assert len([n for n in client.full if n > 100]) == 2
