@@ -16,12 +16,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from .keys import PROMPT_FIELDS
 from .llama import LlamaClient
+from .tokensplit import Heads, tokenize_all
 from .upstream import UpstreamError
+
+__all__ = ["Heads"]  # slotwork and openings hold theirs through this module
+
+# Another way for the renders to become tokens (tokensplit.tokenize_each: the full path).
+TokenizeAll = Callable[[LlamaClient, Sequence[str]], Awaitable[list[list[int]]]]
 
 # Request fields that the server's template rendering reads, beyond the messages.
 TEMPLATE_FIELDS = (*PROMPT_FIELDS, "tool_choice", "response_format")
@@ -114,22 +120,42 @@ async def prefix_tokens(
     fields: Mapping[str, Any],
     messages: Sequence[Any],
     style: str | None = None,
+    heads: Heads | None = None,
+    tokenize: TokenizeAll | None = None,
 ) -> list[int] | None:
     """The canonical prefix of the request after `messages` (whose last one is the reply as
-    echoed), or None when the server cannot render it (then the slot is saved as it is)."""
+    echoed), or None when the server cannot render it (then the slot is saved as it is).
+    `heads`: what earlier saves tokenised (tokensplit.py), to tokenise only the new text;
+    `tokenize`: another way to tokenise the renders (the full path, to compare)."""
+    prompts = await renders(client, fields, messages, style)
+    if prompts is None:
+        return None
+    if tokenize is None:
+        token_lists = await tokenize_all(client, prompts, heads)
+    else:
+        token_lists = await tokenize(client, prompts)
+    return common_prefix(token_lists) or None
+
+
+async def renders(
+    client: LlamaClient,
+    fields: Mapping[str, Any],
+    messages: Sequence[Any],
+    style: str | None = None,
+) -> list[str] | None:
+    """The distinct prompts of the plausible next requests, or None when they tell nothing."""
     if not messages or not renderable(messages):
         return None
     history, reply = list(messages[:-1]), messages[-1]
     variants = echo_variants(reply, style)
-    renders = [[*history, variants[0], nxt] for nxt in NEXT_MESSAGES]
-    renders += [[*history, echo, NEXT_MESSAGES[0]] for echo in variants[1:]]
-    prompts = await asyncio.gather(*(_render(client, fields, m) for m in renders))
+    probes = [[*history, variants[0], nxt] for nxt in NEXT_MESSAGES]
+    probes += [[*history, echo, NEXT_MESSAGES[0]] for echo in variants[1:]]
+    prompts = await asyncio.gather(*(_render(client, fields, m) for m in probes))
     unique = list(dict.fromkeys(p for p in prompts if p is not None))
     if len(unique) < 2:
         # One rendering (or none) tells nothing about where the next message starts.
         return None
-    token_lists = await asyncio.gather(*(client.tokenize(p) for p in unique))
-    return common_prefix(token_lists) or None
+    return unique
 
 
 async def _render(

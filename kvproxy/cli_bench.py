@@ -79,6 +79,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ctx-size", type=int, dest="ctx_per_slot", help="context per slot")
     p.add_argument("--arms", help="comma-separated arms")
 
+    p = scenarios.add_parser("canonical", help="a save's canonical-prefix step, by size")
+    _common(p)
+    p.add_argument("--sizes", default=None, help="comma-separated sizes (1024,4096,8192)")
+    p.add_argument("--repeats", type=int)
+
     p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="restore: largest size")

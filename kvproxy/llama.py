@@ -126,11 +126,15 @@ class LlamaClient:
             raise UpstreamError(f"/apply-template answered {_short(res)}")
         return prompt
 
-    async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    async def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """Tokens as the server tokenises prompts: chat prompts with add_special (BOS);
-        without it nothing a chat request caches would match."""
+        without it nothing a chat request caches would match. `parse_special` False reads
+        control-token texts as plain text (tokensplit.py proves a marker special with it)."""
         res = await self.upstream.post_json(
-            "/tokenize", {"content": text, "add_special": add_special, "parse_special": True}
+            "/tokenize",
+            {"content": text, "add_special": add_special, "parse_special": parse_special},
         )
         tokens = res.get("tokens") if isinstance(res, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):

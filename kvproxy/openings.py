@@ -242,7 +242,7 @@ class Openings:
             return False
         try:
             tokens = await canonical.prefix_tokens(
-                self.work.client, held.template, messages, canonical.VERBATIM
+                self.work.client, held.template, messages, canonical.VERBATIM, self.work.heads
             )
         except (UpstreamError, ValueError) as exc:
             log.debug("no opening for %s: %s", held.key[:12], exc)

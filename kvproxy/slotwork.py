@@ -57,6 +57,7 @@ class SlotWork:
         self.guard = guard
         self.background = background
         self._disk_error_logged = False
+        self.heads = canonical.Heads()  # what the last canonical prefixes tokenised
 
     def worth_saving(self, slot: Slot, incoming: list[str] | None = None) -> bool:
         """Would the slot's content be lost, and is it worth a file? (policy.worth_saving)"""
@@ -199,7 +200,7 @@ class SlotWork:
         messages = self.habits.next_messages(ns, holding.messages)
         try:
             tokens = await canonical.prefix_tokens(
-                self.client, holding.template, messages, self.habits.echo.get(ns)
+                self.client, holding.template, messages, self.habits.echo.get(ns), self.heads
             )
         except (UpstreamError, ValueError) as exc:
             log.debug("no canonical prefix for %s: %s", holding.key[:12], exc)

@@ -101,7 +101,16 @@ def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(["bench", "--help"], capsys)
-    for scenario in ("workload", "restore", "overhead", "load", "chaos", "store", "all"):
+    for scenario in (
+        "workload",
+        "restore",
+        "overhead",
+        "load",
+        "chaos",
+        "store",
+        "canonical",
+        "all",
+    ):
         assert scenario in text
 
 
@@ -114,6 +123,7 @@ def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> N
         ("load", ["--clients", "--conversations", "--slots", "--turns", "--arms"]),
         ("all", ["--max-ctx"]),
         ("chaos", ["--seed", "--requests", "--faults", "--duration", "--clients", "--tenants"]),
+        ("canonical", ["--sizes", "--repeats"]),
     ],
 )
 def test_bench_scenario_help_lists_its_flags(

@@ -1,5 +1,6 @@
-"""`kvproxy bench SCENARIO`: workload, restore, overhead, load, agents (not in `all`). The flags
-are defined in kvproxy/cli_bench.py (parsing them imports nothing from here); `run` gets them.
+"""`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents and canonical
+(not in `all`). The flags are defined in kvproxy/cli_bench.py (parsing them imports nothing
+from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -112,6 +113,14 @@ async def _run(args: argparse.Namespace) -> int:
                 res = await chaos.run_chaos(env, copts)
                 text = chaos.markdown(res)
                 checks += chaos.checks(res)
+            elif name == "canonical":
+                from . import canonical
+
+                kopts = canonical.CanonicalOptions(**_given(args, "repeats"))
+                if args.sizes:
+                    kopts.sizes = _sizes(args)
+                res = await canonical.run_canonical(env, kopts)
+                text = canonical.markdown(res)
             elif name == "agents":
                 aopts = agents.options(_given(args, "max_output", "ctx_per_slot"), args.clients)
                 aopts.install = args.install

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import agents, load, overhead, restore, targets, workload
+from . import agents, canonical, load, overhead, restore, targets, workload
 from .report import header_lines
 
 INTRO = """\
@@ -129,6 +129,8 @@ def document(head: dict[str, Any], results: dict[str, Any], images: dict[str, st
         r = results["load"]
         parts.append(LOAD_METHOD + "\n" + load.markdown(r))
         checks += targets.load_checks(r)
+    if "canonical" in results:
+        parts.append("## Canonical prefix\n\n" + canonical.markdown(results["canonical"]))
     if "agents" in results:
         parts.append(agents.METHOD + "\n" + agents.markdown(results["agents"]))
         checks += agents.checks(results["agents"])
