@@ -23,7 +23,7 @@ from .backend import Backend
 from .config import Settings
 from .errors import error_response
 from .events import Count, Events, RequestEvent
-from .explain import explain_against, explain_miss
+from .explain import explain_against, why_weak
 from .habitlearning import HabitLearning
 from .habits import Habits
 from .leases import Background, Lease
@@ -236,7 +236,13 @@ class Conversations:
         )
         verdict = judge_reuse(prepared.expected_n, event.cache_n, event.prompt_n)
         if verdict is RestoreVerdict.WASTED:
-            event.weak = self._why_weak(prepared, conv, slot)
+            held = slot.holding
+            event.weak = why_weak(
+                prepared.decision is Decision.RESTORED,
+                self.backend.model_info,
+                conv.messages,
+                (f"slot {slot.id}", held.messages) if held is not None else None,
+            )
         if prepared.decision is Decision.MISS:
             # Explaining may read stored conversations (in a thread); the client may hang
             # up meanwhile, cancelling the handler, so it runs detached.
@@ -328,32 +334,6 @@ class Conversations:
             await self.work.evict()
             found = await self.openings.pick(conv)
         return found
-
-    def _why_weak(self, prepared: Prepared, conv: Conversation, slot: Slot) -> str:
-        """Why a resident or restored request reused less than half of what it expected.
-        Runs before the reply's bookkeeping replaces what the slot held."""
-        info = self.backend.model_info
-        if prepared.decision is Decision.RESTORED:
-            if info is not None and info.has_swa:
-                return (
-                    "a sliding-window model reuses a state from disk only where the request "
-                    "parts from it within the window of its end (and needs --swa-full)"
-                )
-            if info is not None and info.restore_reuse() == "extension":
-                return (
-                    "a recurrent/hybrid model reuses a state from disk only when the request "
-                    "extends it exactly"
-                )
-            return "the request's tokens part from the saved ones early (template or echo)"
-        held = slot.holding
-        found = explain_miss(conv.messages, [(f"slot {slot.id}", held.messages)]) if held else None
-        if found is not None:
-            where = f"{found.where} at message {found.message_index}, char {found.char_offset}"
-            return f"diverged from {where}: {found.ours!r} vs {found.theirs!r}"
-        return (
-            "the messages match as keyed, but the rendered tokens differ (whitespace, "
-            "tool-call formatting), or the slot's state came from disk"
-        )
 
     def _judge_restore(self, namespace: str, n_restored: int, reply: Reply | None) -> None:
         timings = (reply.timings if reply is not None else None) or {}

@@ -19,6 +19,7 @@ import orjson
 
 from .events import MissExplanation
 from .keys import UnkeyableRequest, canonical_message
+from .modelinfo import ModelInfo
 from .store import Store
 
 log = logging.getLogger("kvproxy.cache")
@@ -135,6 +136,36 @@ def _escape(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def why_weak(
+    restored: bool,
+    info: ModelInfo | None,
+    messages: list[Any],
+    held: tuple[str, list[Any]] | None,
+) -> str:
+    """Why a resident or restored request reused less than half of what it expected. `held`:
+    the slot's name and what it held before the reply's bookkeeping replaced it."""
+    if restored:
+        if info is not None and info.has_swa:
+            return (
+                "a sliding-window model reuses a state from disk only where the request "
+                "parts from it within the window of its end (and needs --swa-full)"
+            )
+        if info is not None and info.restore_reuse() == "extension":
+            return (
+                "a recurrent/hybrid model reuses a state from disk only when the request "
+                "extends it exactly"
+            )
+        return "the request's tokens part from the saved ones early (template or echo)"
+    found = explain_miss(messages, [held]) if held is not None else None
+    if found is not None:
+        where = f"{found.where} at message {found.message_index}, char {found.char_offset}"
+        return f"diverged from {where}: {found.ours!r} vs {found.theirs!r}"
+    return (
+        "the messages match as keyed, but the rendered tokens differ (whitespace, "
+        "tool-call formatting), or the slot's state came from disk"
+    )
 
 
 def describe(miss: MissExplanation) -> str:
