@@ -69,6 +69,11 @@ RestoreRule = Literal["prefix", "window", "extension"]
 class ReuseRule:
     rule: RestoreRule
     window: int = 0  # "window": how far before a restored state's end a divergence is served
+    # "window", with the tokens before the divergence counted by the server's tokenizer: the
+    # server reuses a restored state where it parts after the SWA cache's oldest position,
+    # n_swa before its end (server-context.cpp `pos_min_thold`, with --swa-full n_swa = 0
+    # there but the SWA cells older than the window are not in the saved state).
+    counted: int = 0
 
 
 def reuse_rule(model_class: str, n_swa: int = 0) -> ReuseRule:
@@ -79,7 +84,7 @@ def reuse_rule(model_class: str, n_swa: int = 0) -> ReuseRule:
     if model_class in ("recurrent", "hybrid"):
         return ReuseRule("extension")
     if model_class == "swa":
-        return ReuseRule("window", max(n_swa // 2, 0))
+        return ReuseRule("window", max(n_swa // 2, 0), max(n_swa - COUNTED_MARGIN, 0))
     return ReuseRule("prefix")
 
 
@@ -122,6 +127,10 @@ def pick_stored(
     return best
 
 
+# Tokens kept clear of the window's edge when the divergence is counted: the state's last
+# position and the first new token (`has_new_tokens`), and a few more.
+COUNTED_MARGIN = 16
+
 # How many boundaries before a stored entry's end a request may part from it and still be
 # worth counting the tokens after the divergence (window rule): a client's last turn.
 NEAR_END_BOUNDARIES = 4
@@ -151,8 +160,9 @@ def near_end_candidate(
 
 
 def window_serves(rule: ReuseRule, stored: StoredView, tokens_before: int) -> bool:
-    """Does a restored state serve a request parting from it after `tokens_before` tokens?"""
-    return rule.rule == "window" and 0 < stored.n_tokens - tokens_before <= rule.window
+    """Does a restored state serve a request parting from it after `tokens_before` tokens
+    (counted, so the margin for uncounted template tokens is not needed)?"""
+    return rule.rule == "window" and 0 < stored.n_tokens - tokens_before <= rule.counted
 
 
 def resident_serves(rule: ReuseRule, shared: int, restored_depth: int, n_tokens: int) -> bool:
