@@ -214,7 +214,7 @@ class Conversations:
         """After the reply: judge a restore, hand the slot's bookkeeping off (it goes on
         without the client), and report the request."""
         if prepared.decision is Decision.RESTORED:
-            self._judge_restore(conv.namespace, prepared.restored_tokens, reply)
+            self._judge_restore(conv.namespace, prepared.expected_n, reply)
         lease.hand_off(self._after_reply(slot, conv, reply, adapter))
         timings = (reply.timings if reply is not None else None) or {}
         started, queue_wait = times
@@ -295,7 +295,12 @@ class Conversations:
             # A new session restored from a shorter opening than the one it shares (seen
             # since): that one is saved on the way, for the sessions after it.
             evaluated = await self.openings.prefill(slot, conv, start=found[1])
-            return Prepared(Decision.RESTORED, n, outcome.ms, expected_n=n, evaluated=evaluated)
+            # A request that parts from the entry before its end (a near-end divergence, or any
+            # prefix on a dense model) reuses an unknown part of it: not judged.
+            expected = n if found[1] >= len(entry.chain) else None
+            return Prepared(
+                Decision.RESTORED, n, outcome.ms, expected_n=expected, evaluated=evaluated
+            )
         if move is Move.USE_RESIDENT:
             held = slot.holding
             if held is not None and resident < len(held.chain) and await self.openings.wanted(held):
@@ -335,20 +340,20 @@ class Conversations:
             found = await self.openings.pick(conv)
         return found
 
-    def _judge_restore(self, namespace: str, n_restored: int, reply: Reply | None) -> None:
+    def _judge_restore(self, namespace: str, expected: int | None, reply: Reply | None) -> None:
         timings = (reply.timings if reply is not None else None) or {}
         cache_n = _int_or_none(timings.get("cache_n"))
         prompt_n = _int_or_none(timings.get("prompt_n"))
-        verdict = judge_restore(n_restored, cache_n, prompt_n)
+        verdict = judge_restore(expected, cache_n, prompt_n)
         if verdict is RestoreVerdict.WASTED:
             self.events.count(Count.WASTED_RESTORE)
         if self.guard.record(namespace, verdict):
             log.warning(
-                "llama-server reused none of %d restored tokens (cache_n=%s), %d times in a "
+                "llama-server reused none of %s restored tokens (cache_n=%s), %d times in a "
                 "row: kvproxy stops restoring for this model. Sliding-window models (Gemma, "
                 "gpt-oss) need llama-server --swa-full; recurrent and hybrid models reuse a "
                 "restore only when the next prompt extends it exactly.",
-                n_restored,
+                expected,
                 cache_n,
                 self.guard.limit,
             )

@@ -205,7 +205,9 @@ class RestoreVerdict(Enum):
     UNKNOWN = "unknown"  # the reply had no timings
 
 
-def judge_restore(n_restored: int, cache_n: int | None, prompt_n: int | None) -> RestoreVerdict:
+def judge_restore(
+    n_restored: int | None, cache_n: int | None, prompt_n: int | None
+) -> RestoreVerdict:
     """Did the server reuse what was restored? Some model/flag combinations never do
     (sliding-window models without --swa-full)."""
     return judge_reuse(n_restored, cache_n, prompt_n)

@@ -268,3 +268,23 @@ async def test_a_rewritten_last_turn_restores_the_conversation_when_the_window_a
     before_context = len(render_chat(session(1), add_generation_prompt=False).encode())
     assert int(h["X-KVProxy-Restored-Tokens"]) > before_context
     assert body["timings"]["cache_n"] >= before_context
+
+
+async def test_a_restore_the_request_parts_from_early_is_not_judged_wasted(make: Maker) -> None:
+    """A near-end restore of a short state may reuse less than half of it, as expected: it
+    is not counted as a wasted restore (that would turn restores off for the namespace)."""
+    fake, proxy = await make({"reuse": "window", "window": 512, "n_ctx": 16384})
+    short = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "q1"}]
+    context = {"role": "user", "content": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> " + "c " * 180}
+    _, r, _ = await chat(proxy, [*short, context])
+    as_class(proxy, "swa", 1024)
+    for other in ("X", "Y"):
+        await chat(proxy, session(9, f"Other system {other}. " + "pad " * 100))
+    await settle(proxy)
+    reply = {"role": "assistant", "content": r["choices"][0]["message"]["content"]}
+    status, body, h = await chat(proxy, [*short, reply, {"role": "user", "content": "q2"}, context])
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    restored, reused = int(h["X-KVProxy-Restored-Tokens"]), body["timings"]["cache_n"]
+    assert 0 < reused < restored // 2, (reused, restored)
+    await settle(proxy)
+    assert proxy.stats()["ineffective_restores"] == 0
