@@ -71,6 +71,8 @@ class Slot:
     # The tenant whose tokens the server's slot may hold, whatever kvproxy knows of them
     # (`forget` keeps it): another tenant's request may only run there once it is erased.
     occupant: str | None = ANYONE
+    # Taken for a background save (warm.py): soon idle, its content then on disk.
+    saving: bool = False
     # How many times the slot was taken: a GET /slots sent after our use counts only if the
     # slot was not taken again before it answered.
     taken: int = 0
@@ -246,6 +248,9 @@ class SlotPool:
             home = max(self.slots, key=lambda s: s.shared_depth(keys, namespace))
             if home.shared_depth(keys, namespace) > 0:
                 wanted = home.id
+            else:
+                soon = self._saved_soon()
+                wanted = soon.id if soon is not None else None
 
         self._arrivals += 1
         arrival = self._arrivals
@@ -310,10 +315,21 @@ class SlotPool:
                 slot.mark_started()
             return list(self.slots)
 
+    def _saved_soon(self) -> Slot | None:
+        """A slot busy only with a background save, when every idle slot holds what is not
+        on disk: its save ends soon, and then giving it to a new request costs nothing, where
+        an idle one would put a save on the request's path (and evict a more recent one)."""
+        idle = self.idle()
+        if not idle or any(s.holding is None or s.saved for s in idle):
+            return None
+        saving = [s for s in self.slots if s.busy and s.saving]
+        return min(saving, key=lambda s: s.last_used) if saving else None
+
     def release(self, slot: Slot, used: bool = True) -> None:
         """Sync, so it is safe in `finally` blocks of cancelled tasks. `used=False`: background
         work, which must not make the slot look recently used (LRU order is a request's)."""
         slot.busy = False
+        slot.saving = False
         if used:
             slot.last_used = time.monotonic()
         task = asyncio.get_running_loop().create_task(self._notify())

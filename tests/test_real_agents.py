@@ -30,8 +30,6 @@ pytestmark = pytest.mark.real
 CTX_PER_SLOT = 32768
 # Neither client lets the server stop early on its own: keep replies short.
 MAX_OUTPUT = "64"
-# Claude Code's system prompt and tools alone are over 4k tokens of the bundled model's.
-SESSION_TOKENS = 3000
 
 
 @dataclass
@@ -76,6 +74,15 @@ def run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.Comple
         text=True,
         timeout=900,
     )
+
+
+async def settled(proxy: RunningProxy) -> None:
+    """Until kvproxy's detached work is done: a miss is reported once it is explained, off
+    the request path, so the others' last one would otherwise count as the agent's."""
+    for _ in range(1200):
+        if not len(proxy.cache.background):
+            return
+        await asyncio.sleep(0.1)
 
 
 async def take_both_slots(url: str) -> None:
@@ -139,6 +146,7 @@ async def test_claude_code_turns_come_back_after_other_conversations(
     turn1 = recorder.take()
     assert turn1, first.stdout + first.stderr
     await take_both_slots(proxy.url)
+    await settled(proxy)
     recorder.take()
     later = await asyncio.to_thread(
         run, [str(claude), "-p", "--continue", "Now say bye."], env, home
@@ -146,14 +154,9 @@ async def test_claude_code_turns_come_back_after_other_conversations(
     turn2 = recorder.take()
     table("Claude Code", [("1", turn1), ("2 (after 2 others)", turn2)])
     assert turn2, later.stdout + later.stderr
-    # Claude Code may send a short side request of its own (a new ~700-token prompt, not
-    # this conversation) before or beside the turn; the turn is the requests that carry
-    # the session's ~4k-token prompt.
-    session = [t for t in turn2 if t.cache_n + t.prompt_n >= SESSION_TOKENS]
-    assert session, turn2
-    assert session[0].decision == "restored", turn2
-    assert all(t.decision in ("restored", "resident") for t in session), turn2
-    assert all(t.cached >= 0.95 for t in session), turn2
+    assert turn2[0].decision == "restored", turn2
+    assert all(t.decision in ("restored", "resident") for t in turn2), turn2
+    assert all(t.cached >= 0.95 for t in turn2), turn2
 
 
 def codex_config(home: Path, base_url: str) -> None:
@@ -195,6 +198,7 @@ async def test_codex_turns_come_back_and_beat_the_server_alone(stack: Any, tmp_p
 
     async def evict_through_proxy() -> None:
         await take_both_slots(proxy.url)
+        await settled(proxy)
         recorder.take()
 
     async def seen_by_proxy() -> list[Turn]:

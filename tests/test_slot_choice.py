@@ -1,0 +1,48 @@
+"""Which slot a new conversation gets (slots.SlotPool), on plain data: the least recently used
+one whose content is on disk, and one that is busy only with a background save, when every
+idle slot would need a save on the request's path first."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvproxy.slots import Holding, SlotPool
+
+
+def pool_with_two_conversations() -> SlotPool:
+    pool = SlotPool(2, max_queue=8, queue_timeout=5)
+    for slot, name in zip(pool.slots, ("older", "newer"), strict=True):
+        slot.hold(Holding("ns", [name], 1500, 3), saved=False)
+    pool.slots[0].last_used, pool.slots[1].last_used = 1.0, 2.0
+    return pool
+
+
+async def test_a_new_conversation_waits_for_a_slot_being_saved_rather_than_evict_another() -> None:
+    pool = pool_with_two_conversations()
+    saving = pool.slots[0]
+    assert pool.try_take(saving)
+    saving.saving = True
+    request = asyncio.ensure_future(pool.acquire(["new"], "ns"))
+    await asyncio.sleep(0.05)
+    assert not request.done(), "it waits for the save, not for the unsaved newer slot"
+    saving.saved = True  # the background save committed it
+    pool.release(saving, used=False)
+    slot, depth = await asyncio.wait_for(request, 5)
+    assert slot is saving and depth == 0
+    assert not pool.slots[1].busy
+
+
+async def test_an_idle_slot_on_disk_is_taken_at_once() -> None:
+    pool = pool_with_two_conversations()
+    pool.slots[1].saved = True
+    assert pool.try_take(pool.slots[0])
+    pool.slots[0].saving = True
+    slot, _ = await asyncio.wait_for(pool.acquire(["new"], "ns"), 5)
+    assert slot is pool.slots[1]
+
+
+async def test_a_busy_request_is_not_waited_for() -> None:
+    pool = pool_with_two_conversations()
+    assert pool.try_take(pool.slots[0])  # a request's, not a save
+    slot, _ = await asyncio.wait_for(pool.acquire(["new"], "ns"), 5)
+    assert slot is pool.slots[1]
