@@ -55,6 +55,8 @@ log = logging.getLogger("kvproxy.cache")
 # request, never a wrong answer (the server compares tokens); checking costs a round trip on
 # every request. Slot actions always check first.
 SNAPSHOT_TRUST = 1.0
+# The reply's length when its timings do not say (Responses JSON replies give usage only).
+UNKNOWN_REPLY_TOKENS = 1 << 30
 # A turn adds a user message, or a user message and a context message (OpenClaw), or tool
 # results: a request adding more than this to what its slot holds is looked up on disk too.
 NEW_MESSAGES_A_TURN = 4
@@ -379,7 +381,8 @@ class Conversations:
             generated = timings.get("predicted_n")
             slot.ours_ended(
                 slot.holding.n_tokens if slot.holding is not None else 0,
-                generated if isinstance(generated, int) else 0,
+                # Not told: any size from the prompt on (a new task id is still required).
+                generated if isinstance(generated, int) else UNKNOWN_REPLY_TOKENS,
             )
             self.background.spawn(self.work.snapshot_later(slot, slot.taken))
             return

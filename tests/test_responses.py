@@ -408,7 +408,7 @@ def test_json_reply_is_captured_with_timings_from_usage() -> None:
             "function": {"name": "shell", "arguments": '{"command":["cat","a.txt"]}'},
         }
     ]
-    assert reply.timings == {"cache_n": 1200, "prompt_n": 34}
+    assert reply.timings == {"cache_n": 1200, "prompt_n": 34, "predicted_n": 9}
 
 
 def sse(events: list[dict[str, Any]]) -> bytes:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from kvproxy.conversations import UNKNOWN_REPLY_TOKENS
+from kvproxy.llama import SlotInfo
 from kvproxy.slots import Holding, SlotPool
 
 
@@ -46,3 +48,18 @@ async def test_a_busy_request_is_not_waited_for() -> None:
     assert pool.try_take(pool.slots[0])  # a request's, not a save
     slot, _ = await asyncio.wait_for(pool.acquire(["new"], "ns"), 5)
     assert slot is pool.slots[1]
+
+
+def test_before_its_slot_check_answers_a_reply_is_known_by_its_token_count() -> None:
+    slot = SlotPool(1, max_queue=1, queue_timeout=1).slots[0]
+    slot.hold(Holding("ns", ["a"], 1537, 2), saved=False)
+    slot.snapshot = (16, 900)  # the task before ours
+    after = SlotInfo(0, False, 17, 1548, 4096)  # the prompt and 11 generated tokens
+    slot.ours_ended(1537, 11)
+    assert slot.shows_ours(after)
+    slot.ours_ended(1537, UNKNOWN_REPLY_TOKENS)  # a reply that gives usage only
+    assert slot.shows_ours(after)
+    slot.ours_ended(1537, 0)
+    assert not slot.shows_ours(after), "more tokens than ours left"
+    slot.ours_ended(1537, 11)
+    assert not slot.shows_ours(SlotInfo(0, False, 16, 1548, 4096)), "no task of ours ran"

@@ -374,4 +374,7 @@ def _timings(timings: Any, usage: Any) -> dict[str, Any] | None:
     details = usage.get("input_tokens_details") or {}
     cached = details.get("cached_tokens", 0) if isinstance(details, Mapping) else 0
     cached = cached if isinstance(cached, int) else 0
-    return {"cache_n": cached, "prompt_n": usage["input_tokens"] - cached}
+    out = {"cache_n": cached, "prompt_n": usage["input_tokens"] - cached}
+    if isinstance(usage.get("output_tokens"), int):
+        out["predicted_n"] = usage["output_tokens"]
+    return out
