@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -38,6 +37,7 @@ from .policy import (
     judge_restore,
     judge_reuse,
 )
+from .prepared import MISS, Prepared, next_turn_of
 from .relay import relay
 from .replies import Reply
 from .slots import Holding, QueueFull, Slot
@@ -57,34 +57,6 @@ log = logging.getLogger("kvproxy.cache")
 SNAPSHOT_TRUST = 1.0
 # The reply's length when its timings do not say (Responses JSON replies give usage only).
 UNKNOWN_REPLY_TOKENS = 1 << 30
-# A turn adds a user message, or a user message and a context message (OpenClaw), or tool
-# results: a request adding more than this to what its slot holds is looked up on disk too.
-NEW_MESSAGES_A_TURN = 4
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What `prepare` did for a request, before it was forwarded."""
-
-    decision: Decision
-    restored_tokens: int = 0
-    restore_ms: float = 0.0
-    expected_n: int | None = None  # tokens the decision expects the server to reuse
-    # Tokens kvproxy had the server evaluate for the request before forwarding it (an
-    # opening to save on the way): the reply's cache_n counts them, prefilled meanwhile.
-    evaluated: int = 0
-
-    def headers(self) -> dict[str, str]:
-        out = {"X-KVProxy-Cache": self.decision.value}
-        if self.decision is Decision.RESTORED:
-            out["X-KVProxy-Restored-Tokens"] = str(self.restored_tokens)
-            out["X-KVProxy-Restore-Ms"] = f"{self.restore_ms:.1f}"
-        if self.evaluated:
-            out["X-KVProxy-Evaluated-Tokens"] = str(self.evaluated)
-        return out
-
-
-MISS = Prepared(Decision.MISS)
 
 
 class Conversations:
@@ -272,7 +244,7 @@ class Conversations:
         resident = self.openings.resident_depth(slot, conv)
         # The next turn of what the slot holds (the steady state of every agent loop): no
         # stored entry could serve more, nor show a new opening. No index query then.
-        next_turn = _next_turn_of(slot, conv, resident)
+        next_turn = next_turn_of(slot, conv, resident)
         found = None
         if self.backend.disk_enabled and not next_turn:
             found = await self._lookup(conv)
@@ -409,19 +381,6 @@ class Conversations:
     ) -> None:
         event.miss = await explain_against(conv.namespace, conv.messages, candidates, self.store)
         self.events.request(event)
-
-
-def _next_turn_of(slot: Slot, conv: Conversation, resident: int) -> bool:
-    """Does the request extend everything the slot holds, a conversation up to a reply, by
-    a turn's few new messages? (An opening the slot holds is no turn: a new session may
-    share more with a stored conversation than with it.)"""
-    held = slot.holding
-    if held is None or resident != len(held.chain) or not held.messages:
-        return False
-    last = held.messages[-1]
-    if not isinstance(last, dict) or last.get("role") != "assistant":
-        return False
-    return 0 < len(conv.keys) - resident <= NEW_MESSAGES_A_TURN
 
 
 def _int_or_none(value: Any) -> int | None:
