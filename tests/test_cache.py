@@ -58,8 +58,8 @@ def actions(fake: FakeLlamaServer, kind: str) -> list:
 
 
 async def settle(proxy: RunningProxy) -> None:
-    """Let detached bookkeeping (after each reply) finish."""
-    for _ in range(100):
+    """Let detached bookkeeping (after each reply) finish (seconds on a loaded machine)."""
+    for _ in range(1000):
         if not len(proxy.cache.background) and not any(s.busy for s in proxy.cache.pool.slots):
             return
         await asyncio.sleep(0.01)

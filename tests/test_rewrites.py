@@ -139,7 +139,10 @@ async def turn(proxy: RunningProxy, messages: list[dict]) -> tuple[dict, dict[st
 
 
 async def crowd_out(proxy: RunningProxy, rounds: int) -> None:
-    """Three other conversations at once take both slots, so the agent's state goes to disk."""
+    """Three other conversations at once take both slots, so the agent's state goes to disk.
+    They start once the agent's background save is done: while it runs, all three would wait
+    for the other slot and rightly leave the agent's state where it is."""
+    await settle(proxy)
     await asyncio.gather(
         *(
             turn(
