@@ -17,17 +17,29 @@ class UpstreamError(Exception):
         self.body = body
 
 
+# llama-server (cpp-httplib) closes a connection idle for 5 s
+# (CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND). A request sent on it as the server closes it is lost
+# with "Server disconnected": an agent's turn after a 5-second tool call would get a 502.
+# Connections idle longer than this are not reused, so the server never closes one under us.
+IDLE_REUSE_S = 4.0
+
+
 class Upstream:
-    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, idle_reuse_s: float = IDLE_REUSE_S
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.idle_reuse_s = idle_reuse_s
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         # No total timeout: a long prefill or generation is normal. Reads may pause for a long
         # prefill too, so only the connect phase is bounded.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, connect=30)
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(
+            limit=0, ttl_dns_cache=300, keepalive_timeout=self.idle_reuse_s
+        )
         self._session = aiohttp.ClientSession(
             timeout=timeout,
             connector=connector,
