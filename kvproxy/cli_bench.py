@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--prompt-tokens", type=int, help="system prompt")
     p.add_argument("--max-tokens", type=int, help="reply length")
     p.add_argument("--restart", action="store_true", help="add the case with restarts")
-    p.add_argument("--arms", help="comma-separated arms")
+    p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
 
     p = scenarios.add_parser("restore", help="TTFT restored vs re-prefilled, by size")
     _common(p)
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--conversations", type=int, help="M")
     p.add_argument("--slots", type=int, help="S")
     p.add_argument("--turns", type=int)
-    p.add_argument("--arms", help="comma-separated arms")
+    p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
 
     p = scenarios.add_parser("store", help="the disk index at N entries (no llama-server)")
     p.add_argument("--entries", type=int, help="N (default 10,000)")
@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--install", action="store_true", help="install the missing agents first")
     p.add_argument("--max-output", type=int, help="reply cap, tokens")
     p.add_argument("--ctx-size", type=int, dest="ctx_per_slot", help="context per slot")
-    p.add_argument("--arms", help="comma-separated arms")
+    p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
 
     p = scenarios.add_parser("canonical", help="a save's canonical-prefix step, by size")
     _common(p)

@@ -138,3 +138,13 @@ def test_bench_flags_left_out_keep_the_scenario_defaults() -> None:
     """None means "the options dataclass decides": the defaults are written down once."""
     args = cli.build_parser().parse_args(["bench", "overhead", "--requests", "7"])
     assert (args.requests, args.sse_events, args.func.__module__) == (7, None, "kvproxy.cli_bench")
+
+
+def test_arms_are_named_by_flag_words() -> None:
+    """The arms' names have commas in them; `--arms` is comma-separated, so it takes words."""
+    from kvproxy.bench.arms import DIRECT_RAM_CACHE, KVPROXY
+    from kvproxy.bench.command import arms_of
+
+    assert arms_of("ram-cache, kvproxy") == (DIRECT_RAM_CACHE, KVPROXY)
+    with pytest.raises(SystemExit, match="no-cache"):
+        arms_of("direct, no cache")

@@ -35,6 +35,8 @@ DIRECT_NO_CACHE = "direct, no cache"
 DIRECT_RAM_CACHE = "direct, RAM cache"
 KVPROXY = "kvproxy"
 ALL_ARMS = (DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY)
+# What `--arms` takes: the names have commas in them, and the flag is comma-separated.
+ARM_FLAGS = {"no-cache": DIRECT_NO_CACHE, "ram-cache": DIRECT_RAM_CACHE, "kvproxy": KVPROXY}
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import agents, load, overhead, restore, targets, workload
-from .arms import ALL_ARMS, BenchEnv
+from .arms import ARM_FLAGS, BenchEnv
 from .report import header, header_lines, progress, write_json
 
 SCENARIOS = ("workload", "restore", "overhead", "load")
@@ -55,12 +55,12 @@ def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def _arms(text: str) -> tuple[str, ...]:
-    arms = tuple(a.strip() for a in text.split(",") if a.strip())
-    unknown = [a for a in arms if a not in ALL_ARMS]
+def arms_of(text: str) -> tuple[str, ...]:
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ARM_FLAGS]
     if unknown:
-        raise SystemExit(f"kvproxy bench: unknown arm(s) {unknown}; known: {list(ALL_ARMS)}")
-    return arms
+        raise SystemExit(f"kvproxy bench: unknown arm(s) {unknown}; known: {list(ARM_FLAGS)}")
+    return tuple(ARM_FLAGS[a] for a in names)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -87,7 +87,7 @@ async def _run(args: argparse.Namespace) -> int:
                     )
                     wopts = workload.WorkloadOptions(**given, restart=args.restart)
                     if args.arms is not None:
-                        wopts.arms = _arms(args.arms)
+                        wopts.arms = arms_of(args.arms)
                 res: Any = await workload.run_workload(env, wopts)
                 text = workload.markdown(res)
                 checks += targets.workload_checks(res)
@@ -125,7 +125,7 @@ async def _run(args: argparse.Namespace) -> int:
                 aopts = agents.options(_given(args, "max_output", "ctx_per_slot"), args.clients)
                 aopts.install = args.install
                 if args.arms is not None:
-                    aopts.arms = _arms(args.arms)
+                    aopts.arms = arms_of(args.arms)
                 res = await agents.run_agents(env, aopts)
                 text = agents.markdown(res)
                 checks += agents.checks(res)
@@ -136,7 +136,7 @@ async def _run(args: argparse.Namespace) -> int:
                         **_given(args, "clients", "conversations", "slots", "turns")
                     )
                     if args.arms is not None:
-                        lopts.arms = _arms(args.arms)
+                        lopts.arms = arms_of(args.arms)
                 res = await load.run_load(env, lopts)
                 text = load.markdown(res)
                 checks += targets.load_checks(res)
