@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import habitfile
+from . import dirfiles
 from .backend import Backend
 from .config import Settings
 from .conversations import Conversations
@@ -134,7 +134,7 @@ class ConversationCache:
             started.set()
             return
         log.info("cache dir open in %.2f s", time.perf_counter() - began)
-        self.habits.load(await asyncio.to_thread(habitfile.read, self.store.root))
+        self.habits.load(await asyncio.to_thread(dirfiles.read, self.store.root, dirfiles.HABITS))
         self._habits_written = self.habits.changes
         window = self.settings.live_window
         if window > 0:
@@ -182,9 +182,11 @@ class ConversationCache:
         if changes == self._habits_written or not self.store.ready:
             return
         try:
-            await asyncio.to_thread(habitfile.write, self.store.root, self.habits.to_json())
+            await asyncio.to_thread(
+                dirfiles.write, self.store.root, dirfiles.HABITS, self.habits.to_json()
+            )
         except OSError as exc:
-            log.warning("cannot write %s: %s", habitfile.NAME, exc)
+            log.warning("cannot write %s: %s", dirfiles.HABITS, exc)
             return
         self._habits_written = changes
 

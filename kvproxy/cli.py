@@ -94,6 +94,7 @@ def _stop_quietly(listener: logging.handlers.QueueListener) -> None:
 async def serve(settings: Settings) -> int:
     from aiohttp import web
 
+    from . import leftover
     from .managed import ManagedServer, find_server_binary, free_port, resolve_model
     from .managed import server_command as build_server_command
     from .modelinfo import read_model_info
@@ -128,8 +129,13 @@ async def serve(settings: Settings) -> int:
             settings.api_key,
             extra,
         )
+        await asyncio.to_thread(leftover.stop_leftover, settings.cache_dir)
         server = ManagedServer(command, port, settings.api_key)
         await server.start(settings.server_start_timeout)
+        assert server.process is not None
+        await asyncio.to_thread(
+            leftover.record, settings.cache_dir, server.process.pid, server.command
+        )
         upstream_url = server.url
     elif settings.upstream_url:
         upstream_url = settings.upstream_url
@@ -149,6 +155,7 @@ async def serve(settings: Settings) -> int:
         await runner.cleanup()
         if server is not None:
             await server.stop()
+            await asyncio.to_thread(leftover.forget, settings.cache_dir)
         where = f"{settings.host}:{settings.port}"
         raise SystemExit(f"kvproxy: cannot listen on {where}: {exc}") from None
 
@@ -187,6 +194,7 @@ async def serve(settings: Settings) -> int:
     await runner.cleanup()
     if server is not None:
         await server.stop()
+        await asyncio.to_thread(leftover.forget, settings.cache_dir)
     return exit_code
 
 

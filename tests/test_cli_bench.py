@@ -10,12 +10,16 @@ import ast
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvproxy import cli
+from kvproxy.leftover import running
 
 from .fakeserver import FakeLlamaServer
 
@@ -148,3 +152,44 @@ def test_arms_are_named_by_flag_words() -> None:
     assert arms_of("ram-cache, kvproxy") == (DIRECT_RAM_CACHE, KVPROXY)
     with pytest.raises(SystemExit, match="no-cache"):
         arms_of("direct, no cache")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(b")") + 2 :].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.real
+def test_a_bench_ended_by_sigterm_stops_what_it_started(tmp_path: Path) -> None:
+    """Its helper processes run in sessions of their own: without the bench stopping them,
+    a SIGTERM would leave the fake server and kvproxy running."""
+    err = tmp_path / "stderr"
+    with open(err, "w") as out:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "kvproxy", "bench", "overhead", "--requests", "1000000"],
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "overhead: cache on" not in err.read_text():
+            assert bench.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.2)
+        time.sleep(1)
+        started = _children(bench.pid)
+        assert len(started) >= 2, started  # the fake server and kvproxy
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 143
+        assert [pid for pid in started if running(pid) is not None] == []
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()

@@ -35,12 +35,9 @@ def wait_ready(proc: subprocess.Popen[str], log: Path, port: int, timeout: float
     raise AssertionError(f"kvproxy not ready:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture
-def managed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, str, Path]]:
-    port = free_port()
-    log = tmp_path / "kvproxy.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
+def start_managed(cache: Path, log: Path, port: int) -> subprocess.Popen[str]:
+    with open(log, "a") as out:
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -51,7 +48,7 @@ def managed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, str, P
                 "--port",
                 str(port),
                 "--cache-dir",
-                str(tmp_path / "cache"),
+                str(cache),
                 "--ctx-size",
                 "2048",
                 "--",
@@ -62,6 +59,13 @@ def managed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, str, P
             stderr=subprocess.STDOUT,
             text=True,
         )
+
+
+@pytest.fixture
+def managed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, str, Path]]:
+    port = free_port()
+    log = tmp_path / "kvproxy.log"
+    proc = start_managed(tmp_path / "cache", log, port)
     try:
         server_url = wait_ready(proc, log, port)
         yield proc, port, server_url, log
@@ -156,3 +160,34 @@ def test_a_server_that_cannot_start_is_reported(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "llama-server exited with 3" in proc.stderr
     assert "unknown argument --bogus" in proc.stderr
+
+
+def test_a_server_left_by_a_killed_kvproxy_is_stopped_at_the_next_start(
+    managed, tmp_path: Path
+) -> None:
+    proc, port, server_url, log = managed
+    pid = server_pid(server_url.rsplit(":", 1)[1])
+    proc.kill()  # SIGKILL: kvproxy gets no chance to stop its server
+    proc.wait()
+    time.sleep(0.5)
+    assert server_alive(server_url), "the fault is gone: the server died with kvproxy"
+
+    log.write_text("")
+    again = start_managed(tmp_path / "cache", log, port)
+    try:
+        new_url = wait_ready(again, log, port)
+        assert not server_alive(server_url) and not Path(f"/proc/{pid}").exists()
+        assert f"stopping llama-server pid {pid}" in log.read_text()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        done = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert done.choices[0].message.content is not None
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(60) == 0
+        assert not server_alive(new_url)
+        assert not (tmp_path / "cache" / "llama-server.json").exists()
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()

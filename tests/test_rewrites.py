@@ -15,7 +15,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy import habitfile
+from kvproxy import dirfiles
 from kvproxy.habits import Habits
 from kvproxy.rewrites import Kind, Rewrite, Rewrites, observe, rewrite
 
@@ -216,9 +216,9 @@ async def test_a_restarted_proxy_remembers_the_habit_from_its_first_save(make: M
     body, _ = await turn(proxy, [*history, user("q2"), ctx(2)])  # shows the habit
     history = [*history, user("q2"), reply_of(body)]
     await proxy.stop()
-    saved = orjson.loads((cache / habitfile.NAME).read_bytes())
+    saved = orjson.loads((cache / dirfiles.HABITS).read_bytes())
     assert saved["rewrites"], saved
-    assert (cache / habitfile.NAME).stat().st_mode & 0o777 == 0o600
+    assert (cache / dirfiles.HABITS).stat().st_mode & 0o777 == 0o600
 
     proxy = await start_proxy(fake.url, cache)
     try:
@@ -240,9 +240,9 @@ def test_habits_survive_their_file_and_nothing_else_is_read(tmp_path: Path) -> N
     ours = [SYSTEM, user("q1"), ctx(1), assistant(" a1 ")]
     assert habits.learn("ns", ours, [SYSTEM, user("q1"), assistant("a1"), user("q2"), ctx(2)], 2)
     habits.echo.learn("ns", ours[:2] + ours[3:], [SYSTEM, user("q1"), assistant("a1")])
-    habitfile.write(tmp_path, habits.to_json())
+    dirfiles.write(tmp_path, dirfiles.HABITS, habits.to_json())
     again = Habits()
-    again.load(habitfile.read(tmp_path))
+    again.load(dirfiles.read(tmp_path, dirfiles.HABITS))
     assert again.rewrites.get("ns") == habits.rewrites.get("ns") != []
     assert again.echo.get("ns") == habits.echo.get("ns") == "strip"
     for junk in (
@@ -250,10 +250,10 @@ def test_habits_survive_their_file_and_nothing_else_is_read(tmp_path: Path) -> N
         b'{"version": 9, "rewrites": {"ns": [["drop", "user", "xxxxxxxxx"]]}}',
         b'{"version": 1, "rewrites": {"ns": [["zap", "user", "xxxxxxxxx"], 3]}, "echo": {"ns": 5}}',
     ):
-        (tmp_path / habitfile.NAME).write_bytes(junk)
+        (tmp_path / dirfiles.HABITS).write_bytes(junk)
         fresh = Habits()
-        fresh.load(habitfile.read(tmp_path))
+        fresh.load(dirfiles.read(tmp_path, dirfiles.HABITS))
         assert fresh.rewrites.get("ns") == [] and fresh.echo.get("ns") is None
-    (tmp_path / habitfile.NAME).unlink()
-    os.mkfifo(tmp_path / habitfile.NAME)  # never blocks, never read
-    assert habitfile.read(tmp_path) is None
+    (tmp_path / dirfiles.HABITS).unlink()
+    os.mkfifo(tmp_path / dirfiles.HABITS)  # never blocks, never read
+    assert dirfiles.read(tmp_path, dirfiles.HABITS) is None

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import shlex
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:
         return 130
+    except asyncio.CancelledError:  # SIGTERM or SIGHUP: every arm was stopped on the way out
+        return 143
     finally:
         server_log.propagate = propagate
 
@@ -64,6 +67,12 @@ def arms_of(text: str) -> tuple[str, ...]:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    # The arms' processes run in sessions of their own (so a kill of an arm reaches what it
+    # started): a bench ended by a signal must stop them itself, as its Ctrl-C path does.
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    assert main is not None
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, main.cancel)
     workdir = args.workdir or Path(await asyncio.to_thread(tempfile.mkdtemp, "", "kvproxy-bench-"))
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
     env = await asyncio.to_thread(

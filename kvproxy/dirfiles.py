@@ -1,7 +1,12 @@
-"""The clients' habits (habits.py) kept in the cache dir, so a restarted proxy saves a
-rewriting client's conversations as it will send them from the first save on, not only after
-the client has shown its habit again. One small JSON file, written whole (a fixed temp name,
-fsync, rename) when something new was learnt; private like everything in the cache dir."""
+"""Small JSON files kvproxy keeps in the cache dir besides the index and the states, each
+written whole (a fixed temp name, fsync, rename), private like everything there, and read
+without trusting what is found (a FIFO, a symlink, garbage: nothing).
+
+- habits.json: the clients' habits (habits.py), so a restarted proxy saves a rewriting
+  client's conversations as it will send them from the first save on, not only after the
+  client has shown its habit again; written when something new was learnt.
+- llama-server.json: the llama-server managed mode started (leftover.py), so the next start
+  can stop one that a killed kvproxy left running."""
 
 from __future__ import annotations
 
@@ -16,14 +21,15 @@ import orjson
 
 log = logging.getLogger("kvproxy.cache")
 
-NAME = "habits.json"
+HABITS = "habits.json"
+SERVER = "llama-server.json"
 MAX_BYTES = 1 << 20  # larger than kvproxy writes it: not read
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def read(root: Path) -> Any | None:
+def read(root: Path, name: str) -> Any | None:
     """What the file holds, or None (absent, not a regular file, too large, not JSON)."""
-    path = root / NAME
+    path = root / name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
     except OSError:
@@ -42,9 +48,9 @@ def read(root: Path) -> Any | None:
         os.close(fd)
 
 
-def write(root: Path, data: Any) -> None:
+def write(root: Path, name: str, data: Any) -> None:
     """Readers see the old file or the new one, never a part."""
-    tmp, path = root / f".{NAME}.tmp", root / NAME
+    tmp, path = root / f".{name}.tmp", root / name
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -56,3 +62,8 @@ def write(root: Path, data: Any) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def remove(root: Path, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(root / name)
