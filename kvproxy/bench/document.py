@@ -78,9 +78,10 @@ The fake llama-server (`kvproxy/testing/fakeserver.py`) answering at once, kvpro
 run as their own process. The client sends every request itself, one at a time, alternating
 direct and proxied, so its own cost and the machine's drift fall on both paths: **added** =
 proxied − direct at the same percentile. Two modes: **cache on** (the fake answers `/slots`:
-every chat request is keyed, pinned to a slot, and the slot is checked with `GET /slots`
-before and after: two extra round trips to the server) and **pass-through** (`/slots`
-answers 501 as on a server without slots).
+every chat request is keyed and pinned to a slot; a turn that continues what its slot holds
+goes without a check, and one `GET /slots` after each reply, once the slot is given back,
+shows the server's picture of it: one extra round trip, off the reply's path) and
+**pass-through** (`/slots` answers 501 as on a server without slots).
 
 - small requests: a two-message non-streamed chat request, 8-token reply;
 - SSE: one streamed reply of 20,000 events, one write per event (as llama-server sends one
