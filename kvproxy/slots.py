@@ -73,6 +73,10 @@ class Slot:
     occupant: str | None = ANYONE
     # Taken for a background save (warm.py): soon idle, its content then on disk.
     saving: bool = False
+    # Its own conversation's next turn waits for it during a background save: the save gives
+    # way unless its state write is already sent (the turn finds its state resident anyway,
+    # and every step of a save waits for the server's loop, behind other slots' prefills).
+    claimed: bool = False
     # How many times the slot was taken: a GET /slots sent after our use counts only if the
     # slot was not taken again before it answered.
     taken: int = 0
@@ -248,6 +252,8 @@ class SlotPool:
             home = max(self.slots, key=lambda s: s.shared_depth(keys, namespace))
             if home.shared_depth(keys, namespace) > 0:
                 wanted = home.id
+                if home.busy and home.saving:
+                    home.claimed = True
             else:
                 soon = self._saved_soon()
                 wanted = soon.id if soon is not None else None
@@ -330,6 +336,7 @@ class SlotPool:
         work, which must not make the slot look recently used (LRU order is a request's)."""
         slot.busy = False
         slot.saving = False
+        slot.claimed = False
         if used:
             slot.last_used = time.monotonic()
         task = asyncio.get_running_loop().create_task(self._notify())

@@ -126,6 +126,9 @@ class SlotWork:
         holding = slot.holding
         if holding is None:
             return False
+        if background and slot.claimed:
+            log.debug("slot %d: background save gives way to its conversation's turn", slot.id)
+            return False
         temp = self.store.temp_name(holding.key)
         started = time.perf_counter()
         try:

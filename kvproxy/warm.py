@@ -102,7 +102,7 @@ class Warmer:
         except (UpstreamError, OSError) as exc:
             log.debug("background save of slot %d: %s", slot.id, exc)
         finally:
-            if not saved and slot.holding is not None and not slot.saved:
+            if not saved and not slot.claimed and slot.holding is not None and not slot.saved:
                 self._failed.add(key)
             # Only the holdings still in a slot can come up again.
             self._failed &= {s.holding.key for s in self.pool.slots if s.holding is not None}

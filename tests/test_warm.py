@@ -140,3 +140,37 @@ async def test_after_a_restart_the_first_eviction_is_free_too(make: Maker) -> No
         assert on_path_saves(again) == 0 and again.stats()["background_saves"] >= 1
     finally:
         await again.stop()
+
+
+async def test_a_background_save_gives_way_to_its_own_conversations_next_turn(
+    make: Maker,
+) -> None:
+    """A save's steps each wait for the server's loop (behind other slots' prefills, on a real
+    server): when the conversation comes back before the state write is sent, the write is
+    not sent at all. The turn finds its state resident; the slot is saved after it."""
+    recorder = Recorder()
+    fake, proxy = await make(server={"reply": recorder})
+    recorder.fake = fake
+    replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    await settle(proxy)
+    home = slot_of(proxy, 3)
+    fake.template_gate = asyncio.Event()  # the canonical prefix's render takes its time
+    status, body, _ = await chat(proxy, then(conv(3), replies[3], "third next"))
+    assert status == 200
+    history = then(conv(3), replies[3], "third next")
+    await until(lambda: fake.template_waiting >= 1)  # 3's slot: a background save under way
+    posted = save_posts(fake, home)
+    turn = asyncio.ensure_future(chat(proxy, then(history, body, "third again")))
+    await until(lambda: proxy.cache.pool.waiting >= 1)
+    fake.template_gate.set()
+    status, reply, h = await turn
+    assert status == 200 and h["X-KVProxy-Cache"] == "resident"
+    assert reply["choices"][0]["message"]["content"] == "Echo: third again"
+    assert reply["timings"]["prompt_n"] <= 100
+    # No state write for 3's slot between its turn 2 and its turn 3.
+    assert [a for a in recorder.seen["third again"] if a[0] == "save" and a[1] == home] == [
+        a for a in recorder.seen["third next"] if a[0] == "save" and a[1] == home
+    ]
+    assert save_posts(fake, home) >= posted
+    await settle(proxy)
+    assert proxy.cache.pool.slots[home].saved  # saved after the turn, in the background

@@ -725,6 +725,9 @@ class FakeLlamaServer:
         # Tests: GET /slots waits for this event (the server's loop busy elsewhere), counted.
         self.slots_gate: asyncio.Event | None = None
         self.slots_waiting = 0
+        # Tests: POST /apply-template waits for this one (a render that takes its time).
+        self.template_gate: asyncio.Event | None = None
+        self.template_waiting = 0
 
         self.slots = [FakeSlot(id=i, n_ctx=n_ctx) for i in range(n_slots)]
         self.requests: list[tuple[str, str, Any]] = []
@@ -944,6 +947,12 @@ class FakeLlamaServer:
 
     async def _apply_template(self, request: web.Request) -> web.Response:
         body = await self._body(request)
+        if self.template_gate is not None:
+            self.template_waiting += 1
+            try:
+                await self.template_gate.wait()
+            finally:
+                self.template_waiting -= 1
         add_gen = bool(body.get("add_generation_prompt", True))
         return web.json_response({"prompt": render_chat(body.get("messages", []), add_gen)})
 
