@@ -133,6 +133,14 @@ class SlotWork:
         started = time.perf_counter()
         try:
             saved = await self.client.save(slot.id, temp)
+            if saved.n_saved == 0:
+                # Wiped since we last looked (a unified KV cache clears idle slots when another
+                # starts): an empty state would be restored as the conversation's.
+                await self._save_failed(started, temp)
+                log.info("slot %d was empty when saved: forgetting %s", slot.id, holding.key[:12])
+                self.events.count(Count.SLOT_RESET)
+                slot.forget()
+                return False
             now = time.time()
             entry = Entry(
                 key=holding.key,

@@ -13,7 +13,7 @@ import pytest
 
 from kvproxy.store import DB_NAME
 
-from .conftest import Maker, RunningProxy, start_proxy
+from .conftest import Maker, RunningProxy, committed, start_proxy
 from .fakeserver import FakeLlamaServer
 
 
@@ -286,12 +286,29 @@ async def test_proxy_restart_restores_from_disk(make: Maker, tmp_path: Path) -> 
 async def test_wiped_slot_is_not_trusted(make: Maker) -> None:
     fake, proxy = await make(server={"wipe_idle_slots": True}, write_through=True)
     _, r1, _ = await chat(proxy, conv(1))
+    await settle(proxy)  # 1 is on disk (a save racing the wipe: the next test)
     await chat(proxy, conv(2))  # the server wipes slot 0 while slot 1 starts
     await settle(proxy)
     _, body, h = await chat(proxy, then(conv(1), r1))
     assert h["X-KVProxy-Cache"] == "restored"  # not "resident": the slot was checked
     assert body["timings"]["cache_n"] / prompt_tokens(body) > 0.9
     assert proxy.stats()["slot_resets_seen"] >= 1
+
+
+async def test_a_slot_wiped_before_its_save_commits_no_empty_state(make: Maker) -> None:
+    """The wipe lands between kvproxy's last look and the save: the server saves 0 tokens.
+    That file is not the conversation's state; restoring it would serve nothing."""
+    fake, proxy = await make(write_through=True)
+    fake.wipe_before_save = True
+    _, r1, _ = await chat(proxy, conv(1))
+    await settle(proxy)
+    assert fake.slot_save_path is not None
+    assert committed(fake.slot_save_path) == set() and not proxy.cache.store.entries
+    assert proxy.stats()["slot_resets_seen"] >= 1
+    fake.wipe_before_save = False
+    _, body, h = await chat(proxy, then(conv(1), r1))
+    assert h["X-KVProxy-Cache"] == "miss"  # not "restored" with nothing reused
+    assert body["choices"][0]["message"]["content"] == "Echo: next question"
 
 
 async def test_cancelled_stream_leaves_no_false_picture(make: Maker) -> None:

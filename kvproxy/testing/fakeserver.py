@@ -725,6 +725,8 @@ class FakeLlamaServer:
         # Tests: GET /slots waits for this event (the server's loop busy elsewhere), counted.
         self.slots_gate: asyncio.Event | None = None
         self.slots_waiting = 0
+        # Tests: the slot is wiped (as a unified KV cache wipes idle slots) just before a save.
+        self.wipe_before_save = False
         # Tests: POST /apply-template waits for this one (a render that takes its time).
         self.template_gate: asyncio.Event | None = None
         self.template_waiting = 0
@@ -1027,6 +1029,10 @@ class FakeLlamaServer:
         data = struct.pack(f"<III{len(words)}i", STATE_MAGIC, STATE_VERSION, len(words), *words)
         data += kv
         try:
+            if self.wipe_before_save:  # an idle-slot wipe that lands just before the save
+                slot.tokens.clear()
+                n, words, kv = 0, [-1, TOKENS_STATE_VERSION, 0, 0], struct.pack("<I", 0)
+                data = struct.pack(f"<III{len(words)}i", STATE_MAGIC, STATE_VERSION, 4, *words) + kv
             if self.fail_saves:  # ENOSPC halfway: llama.cpp leaves the partial file behind
                 path.write_bytes(data[: len(data) // 2])
                 raise OSError("No space left on device")
