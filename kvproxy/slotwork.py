@@ -120,7 +120,13 @@ class SlotWork:
         """Save what the slot holds under its key. The slot must be ours and verified.
         `background`: no request waits for it (counted apart)."""
         begun = time.perf_counter()
-        if slot.holding is not None and not slot.holding.canonical and slot.holding.messages:
+        holding = slot.holding
+        if (
+            holding is not None
+            and not holding.canonical
+            and holding.messages
+            and not (background and slot.claimed)
+        ):
             await self._make_canonical(slot)
         canonical_ms = (time.perf_counter() - begun) * 1000
         holding = slot.holding
