@@ -442,14 +442,14 @@ async def test_the_next_turn_does_not_wait_for_the_slot_check_after_the_last(
     fake, proxy = await make()
     _, r1, _ = await chat(proxy, conv(1))
     await settle(proxy)
-    fake.slots_gate = asyncio.Event()  # the server answers no GET /slots for now
+    fake.slots_hold.gate = asyncio.Event()  # the server answers no GET /slots for now
     m2 = then(conv(1), r1)
     _, r2, h2 = await asyncio.wait_for(chat(proxy, m2), 30)
     assert h2["X-KVProxy-Cache"] == "resident"
     _, _, h3 = await asyncio.wait_for(chat(proxy, then(m2, r2)), 30)
     assert h3["X-KVProxy-Cache"] == "resident"
-    assert fake.slots_waiting >= 1, "turn 3 ran while turn 2's slot check was unanswered"
-    fake.slots_gate.set()
+    assert fake.slots_hold.waiting >= 1, "turn 3 ran while turn 2's slot check was unanswered"
+    fake.slots_hold.gate.set()
     await settle(proxy)
     slot = next(s for s in proxy.cache.pool.slots if s.holding is not None)
     assert slot.pending is None and slot.holding is not None

@@ -154,15 +154,15 @@ async def test_a_background_save_gives_way_to_its_own_conversations_next_turn(
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     home = slot_of(proxy, 3)
-    fake.template_gate = asyncio.Event()  # the canonical prefix's render takes its time
+    fake.template_hold.gate = asyncio.Event()  # the canonical prefix's render takes its time
     status, body, _ = await chat(proxy, then(conv(3), replies[3], "third next"))
     assert status == 200
     history = then(conv(3), replies[3], "third next")
-    await until(lambda: fake.template_waiting >= 1)  # 3's slot: a background save under way
+    await until(lambda: fake.template_hold.waiting >= 1)  # 3's slot: a background save under way
     posted = save_posts(fake, home)
     turn = asyncio.ensure_future(chat(proxy, then(history, body, "third again")))
     await until(lambda: proxy.cache.pool.waiting >= 1)
-    fake.template_gate.set()
+    fake.template_hold.gate.set()
     status, reply, h = await turn
     assert status == 200 and h["X-KVProxy-Cache"] == "resident"
     assert reply["choices"][0]["message"]["content"] == "Echo: third again"

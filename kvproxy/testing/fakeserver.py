@@ -323,6 +323,22 @@ def message_json(msg: _Msg) -> Json:
 # --------------------------------------------------------------------------- slots
 
 
+@dataclass
+class Hold:
+    """Tests: requests to one route wait while `gate` is set and not yet open, counted."""
+
+    gate: asyncio.Event | None = None
+    waiting: int = 0
+
+    async def passed(self) -> None:
+        if self.gate is not None:
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
+
+
 @dataclass(eq=False)
 class FakeSlot:
     id: int
@@ -722,14 +738,12 @@ class FakeLlamaServer:
         self.slots_endpoint = slots_endpoint
         # llama-server's --ignore-eos: every reply runs to its token limit (or the context's end).
         self.ignore_eos = ignore_eos
-        # Tests: GET /slots waits for this event (the server's loop busy elsewhere), counted.
-        self.slots_gate: asyncio.Event | None = None
-        self.slots_waiting = 0
+        # Tests: GET /slots held (the server's loop busy elsewhere), POST /apply-template held
+        # (a render that takes its time).
+        self.slots_hold = Hold()
+        self.template_hold = Hold()
         # Tests: the slot is wiped (as a unified KV cache wipes idle slots) just before a save.
         self.wipe_before_save = False
-        # Tests: POST /apply-template waits for this one (a render that takes its time).
-        self.template_gate: asyncio.Event | None = None
-        self.template_waiting = 0
 
         self.slots = [FakeSlot(id=i, n_ctx=n_ctx) for i in range(n_slots)]
         self.requests: list[tuple[str, str, Any]] = []
@@ -949,12 +963,7 @@ class FakeLlamaServer:
 
     async def _apply_template(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        if self.template_gate is not None:
-            self.template_waiting += 1
-            try:
-                await self.template_gate.wait()
-            finally:
-                self.template_waiting -= 1
+        await self.template_hold.passed()
         add_gen = bool(body.get("add_generation_prompt", True))
         return web.json_response({"prompt": render_chat(body.get("messages", []), add_gen)})
 
@@ -964,12 +973,7 @@ class FakeLlamaServer:
                 "This server does not support slots endpoint. Start it with `--slots`",
                 "not_supported_error",
             )
-        if self.slots_gate is not None:
-            self.slots_waiting += 1
-            try:
-                await self.slots_gate.wait()
-            finally:
-                self.slots_waiting -= 1
+        await self.slots_hold.passed()
         if request.query.get("fail_on_no_slot") and all(s.is_processing for s in self.slots):
             return error_response("no slot available", "unavailable_error")
         return web.json_response([slot.to_json() for slot in self.slots])
