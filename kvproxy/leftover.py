@@ -98,8 +98,9 @@ def stop_leftover(root: Path, grace: float = STOP_GRACE_S) -> int | None:
     started = Started.from_json(dirfiles.read(root, dirfiles.SERVER))
     if started is None:
         return None
-    if not is_leftover(started, running(started.pid)):
-        if running(started.pid) is None:
+    now = running(started.pid)
+    if not is_leftover(started, now):
+        if now is None:
             forget(root)
         return None
     log.warning(
