@@ -137,11 +137,14 @@ async def relay(
         await resp.prepare(request)
         try:
             async for chunk in up.content.iter_any():
-                await resp.write(chunk if translator is None else translator.feed(chunk))
+                sent = await send(resp, chunk if translator is None else translator.feed(chunk))
                 if tap is not None:
-                    tap(chunk)
-            if translator is not None:
-                await resp.write(translator.finish())
+                    tap(chunk)  # what the server sent is what its slot holds, read or not
+                if not sent:
+                    log.info("client hung up during %s %s", request.method, path_qs)
+                    return RelayResult(resp, up.status, False)
+            if translator is not None and not await send(resp, translator.finish()):
+                return RelayResult(resp, up.status, False)
             complete = True
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             # The server went away mid-reply. Headers are out, so the status cannot change.
@@ -159,7 +162,9 @@ async def relay(
                     await resp.write_eof()
                     return RelayResult(resp, up.status, False)
         if complete:
-            await resp.write_eof()
+            # Clients may close once they have the last event (Codex does, before the
+            # chunked body's end): every byte of the reply reached them, so it is whole.
+            await send(resp, b"", eof=True)
         elif request.transport is not None:
             # Any other body is cut short, so no client takes a truncated one for a whole one.
             request.transport.close()
@@ -170,6 +175,19 @@ async def relay(
             # generating for a client that has gone.
             up.close()
         await upstream_cm.__aexit__(None, None, None)
+
+
+async def send(resp: web.StreamResponse, data: bytes, eof: bool = False) -> bool:
+    """Pass bytes on to the client; False once it has hung up (a client may close as soon as
+    it has the final event: Codex does, before the chunked body's end)."""
+    try:
+        if eof:
+            await resp.write_eof()
+        else:
+            await resp.write(data)
+    except ConnectionError:  # aiohttp's ClientConnectionResetError is one
+        return False
+    return True
 
 
 def _ends_as_error_event(headers: Mapping[str, str]) -> bool:

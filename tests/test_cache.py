@@ -10,8 +10,10 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from kvproxy.store import DB_NAME
+from kvproxy.testing.fakeserver import default_reply
 
 from .conftest import Maker, RunningProxy, committed, start_proxy
 from .fakeserver import FakeLlamaServer
@@ -456,9 +458,13 @@ async def test_the_next_turn_does_not_wait_for_the_slot_check_after_the_last(
     assert slot.holding.n_tokens == len(fake.slots[slot.id].tokens)
 
 
-async def test_a_client_that_hangs_up_after_the_last_event_keeps_its_slot(make: Maker) -> None:
+@pytest.mark.parametrize("stop_at", ["finish_reason", "[DONE]"])
+async def test_a_client_that_hangs_up_after_the_last_event_keeps_its_slot(
+    make: Maker, stop_at: str
+) -> None:
     """Codex stops reading at `response.completed` and closes the connection, before the
-    server ends the stream: the reply was whole, so the slot holds the conversation."""
+    server ends the stream (an SDK may stop at `[DONE]`): the reply was whole, so the slot
+    holds the conversation and the request is reported like any other."""
     fake, proxy = await make(server={"end_delay": 0.5})
     messages = conv(1)
     text = ""
@@ -466,11 +472,13 @@ async def test_a_client_that_hangs_up_after_the_last_event_keeps_its_slot(make: 
         body = {"messages": messages, "stream": True}
         async with s.post(proxy.url + "/v1/chat/completions", json=body) as resp:
             async for line in resp.content:
+                if line.startswith(b"data: [DONE]"):
+                    break
                 if line.startswith(b"data: {"):
                     chunk = orjson.loads(line[6:])
                     for choice in chunk.get("choices") or []:
                         text += (choice.get("delta") or {}).get("content") or ""
-                        if choice.get("finish_reason"):
+                        if choice.get("finish_reason") and stop_at == "finish_reason":
                             break
                     else:
                         continue
@@ -478,7 +486,40 @@ async def test_a_client_that_hangs_up_after_the_last_event_keeps_its_slot(make: 
             resp.close()  # hang up before the stream's end
     await asyncio.sleep(0.7)
     await settle(proxy)
+    assert proxy.stats()["requests"]["miss"] == 1, proxy.stats()["requests"]
     reply = {"choices": [{"message": {"role": "assistant", "content": text}}]}
+    status, r, headers = await chat(proxy, then(messages, reply))
+    assert status == 200 and headers["X-KVProxy-Cache"] == "resident"
+    assert r["timings"]["prompt_n"] <= 100, r["timings"]  # the new turn only
+
+
+async def test_a_client_gone_when_the_stream_ends_keeps_its_slot(
+    make: Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's hang-up found by the write of the chunked body's end, not by the loop
+    (its reset noticed in the same tick as the last event's write; seen in CI with Codex):
+    the reply was whole, so it is reported and the slot holds the conversation."""
+    _, proxy = await make()
+    port = int(proxy.url.rsplit(":", 1)[1])
+    real_write_eof = web.StreamResponse.write_eof
+
+    async def reset_first(self: web.StreamResponse, data: bytes = b"") -> None:
+        transport = self._req.transport if self._req is not None else None
+        if transport is not None and transport.get_extra_info("sockname")[1] == port:
+            transport.abort()  # closing at once; the loop hears of it a tick later
+        await real_write_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", reset_first)
+    messages = conv(1)
+    async with aiohttp.ClientSession() as s:
+        body = {"messages": messages, "stream": True}
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with s.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+    monkeypatch.undo()
+    await settle(proxy)
+    assert proxy.stats()["requests"]["miss"] == 1, proxy.stats()["requests"]
+    reply = {"choices": [{"message": {"role": "assistant", "content": default_reply(messages)}}]}
     status, r, headers = await chat(proxy, then(messages, reply))
     assert status == 200 and headers["X-KVProxy-Cache"] == "resident"
     assert r["timings"]["prompt_n"] <= 100, r["timings"]  # the new turn only

@@ -20,6 +20,7 @@ from kvproxy.bench.conversations import first_turn
 from kvproxy.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.managed import free_port
 from kvproxy.proxy import SERVICE
+from kvproxy.relay import send
 
 from .agents import CLAUDE_CODE, CODEX, client_env, install
 from .conftest import RunningProxy, start_proxy, start_real_server
@@ -263,11 +264,13 @@ class ResponsesTap:
                 resp.content_type = r.content_type
                 await resp.prepare(request)
                 raw = b""
+                gone = False
                 async for chunk in r.content.iter_any():
                     raw += chunk
-                    await resp.write(chunk)
-                self._usage(raw)
-                await resp.write_eof()
+                    gone = gone or not await send(resp, chunk)
+                self._usage(raw)  # Codex hangs up at the last event: the usage is still read
+                if not gone:
+                    await send(resp, b"", eof=True)
                 return resp
 
         app = web.Application(client_max_size=1 << 26)

@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from ..managed import free_port
+from ..relay import send
 
 # The routes whose requests are conversations (what the benchmark measures).
 RECORDED = frozenset(
@@ -83,25 +84,11 @@ class Tap:
             gone = False
             async for chunk in r.content.iter_any():
                 raw += chunk
-                gone = gone or not await _relay(resp, chunk)
+                gone = gone or not await send(resp, chunk)
             if not gone:
-                await _relay(resp, b"", eof=True)
+                await send(resp, b"", eof=True)
         if request.method == "POST" and request.path in RECORDED:
             self.exchanges.append(
                 Exchange(request.path, body, r.status, dict(r.headers), bytes(raw))
             )
         return resp
-
-
-async def _relay(resp: web.StreamResponse, chunk: bytes, eof: bool = False) -> bool:
-    """Pass bytes on; False once the client has hung up. Clients may close as soon as they
-    have the final event (Codex does, before the chunked body's end): the reply is still
-    read to its end and recorded."""
-    try:
-        if eof:
-            await resp.write_eof()
-        else:
-            await resp.write(chunk)
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        return False
-    return True

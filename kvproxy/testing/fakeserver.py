@@ -1237,10 +1237,10 @@ class FakeLlamaServer:
                 return web.json_response(fmt.final(run))
             for chunk in fmt.final_stream(run):
                 await resp.write(_sse(chunk))
-            # A client may hang up as soon as it has the last event, before the stream ends.
-            await asyncio.sleep(self.end_delay)
             if fmt.done_marker:
                 await resp.write(b"data: [DONE]\n\n")
+            # A client may hang up as soon as it has the last event, before the stream ends.
+            await asyncio.sleep(self.end_delay)
             await resp.write_eof()
             return resp
         finally:
