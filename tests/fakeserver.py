@@ -1,13 +1,7 @@
-"""The fake llama-server lives in kvproxy.testing.fakeserver (benchmarks run it too); these are
-the names the tests import from here."""
+"""The fake llama-server lives in kvproxy.testing (benchmarks run it too); these are the names
+the tests import from here."""
 
-from kvproxy.testing.fakeserver import (
-    BOS,
-    EOS,
-    FakeLlamaServer,
-    common_prefix,
-    render_chat,
-    tokenize,
-)
+from kvproxy.testing.fakemodel import BOS, EOS, common_prefix, render_chat, tokenize
+from kvproxy.testing.fakeserver import FakeLlamaServer
 
 __all__ = ["BOS", "EOS", "FakeLlamaServer", "common_prefix", "render_chat", "tokenize"]

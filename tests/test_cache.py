@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvproxy.store import DB_NAME
-from kvproxy.testing.fakeserver import default_reply
+from kvproxy.testing.fakemodel import default_reply
 
 from .conftest import Maker, RunningProxy, committed, start_proxy
 from .fakeserver import FakeLlamaServer

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import aiohttp
 
-from kvproxy.testing.fakeserver import FakeLlamaServer, render_chat
+from kvproxy.testing.fakemodel import render_chat
+from kvproxy.testing.fakeserver import FakeLlamaServer
 
 from .conftest import Maker, start_proxy
 from .test_cache import chat, conv, settle

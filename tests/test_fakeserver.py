@@ -16,19 +16,9 @@ import aiohttp
 import pytest
 
 from kvproxy.managed import free_port
-from kvproxy.testing.fakeserver import (
-    BOS,
-    EOS,
-    FakeLlamaServer,
-    FakeSlot,
-    _ChatFormat,
-    _Job,
-    _Run,
-    _sse,
-    common_prefix,
-    render_chat,
-    tokenize,
-)
+from kvproxy.testing.fakemodel import BOS, EOS, common_prefix, render_chat, tokenize
+from kvproxy.testing.fakereplies import ChatFormat, Job, Run, sse
+from kvproxy.testing.fakeserver import FakeLlamaServer, FakeSlot
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -735,7 +725,7 @@ def test_plain_stream_events_are_the_parsers() -> None:
     characters (split over several tokens) and a broken one included."""
     reply = "héllo ✓ wörld 😀 ok"
     broken = [*tokenize("é")[:1], *tokenize("b")]  # a lead byte, then ASCII: "\ufffdb"
-    job = _Job(
+    job = Job(
         prompt=[BOS],
         generated=[*tokenize(reply), *broken, EOS],
         n_predict=-1,
@@ -744,9 +734,9 @@ def test_plain_stream_events_are_the_parsers() -> None:
         stream=True,
         params={},
     )
-    run = _Run(slot=FakeSlot(id=0, n_ctx=4096), job=job)
+    run = Run(slot=FakeSlot(id=0, n_ctx=4096), job=job)
     fast, parsed = (
-        _ChatFormat("m", "id", thinking=False, tools=False, call_id=str, include_usage=False)
+        ChatFormat("m", "id", thinking=False, tools=False, call_id=str, include_usage=False)
         for _ in range(2)
     )
     parsed.created = fast.created
@@ -755,7 +745,7 @@ def test_plain_stream_events_are_the_parsers() -> None:
     for tok in job.generated:
         run.sampled.append(tok)
         got += fast.stream_events(run, tok)
-        want += [_sse(event) for event in parsed.partial(run, tok)]
+        want += [sse(event) for event in parsed.partial(run, tok)]
     assert got == want and len(got) == 1 + len(reply) + 1  # role, one per character, "\ufffdb"
     deltas = [json.loads(event[len(b"data: ") :])["choices"][0]["delta"] for event in got]
     assert "".join(d["content"] or "" for d in deltas) == reply + "\ufffdb"

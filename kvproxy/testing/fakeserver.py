@@ -5,7 +5,8 @@ tools/server/server-context.cpp of llama.cpp): slot selection and id wrapping, t
 deferral of work sent to busy slots (including the way deferred tasks are popped again),
 prompt-cache reuse and `timings`, the slot save file format, restore failures erasing the
 slot, the reuse rules of SWA and recurrent models after a restore, SSE chunking and the
-error JSON shape. Tokens are bytes, so tests can reason about token counts exactly.
+error JSON shape. Tokens are bytes, so tests can reason about token counts exactly (the
+fake model: fakemodel.py; the JSON of each endpoint's replies: fakereplies.py).
 
 In-process: `async with FakeLlamaServer(...) as fake:` (tests). As a process, answering at once:
 `python -m kvproxy.testing.fakeserver --port P [--no-slots] [--ignore-eos]` (benchmarks). The
@@ -16,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import codecs
 import contextlib
 import hashlib
 import itertools
 import json
-import re
 import signal
 import socket
 import struct
@@ -31,14 +30,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-BOS = 2
-EOS = 1
-BYTE_OFFSET = 10
-N_VOCAB = BYTE_OFFSET + 256
+from .fakemodel import (
+    EOS,
+    N_VOCAB,
+    REASONING_TEXT,
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_ARGUMENTS,
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    TOOL_TRIGGER,
+    Json,
+    RequestError,
+    common_prefix,
+    content_text,
+    default_reply,
+    detokenize,
+    error_json,
+    error_response,
+    render_chat,
+    token_bytes,
+    tokenize,
+    tokenize_mixed,
+)
+from .fakereplies import (
+    ChatFormat,
+    CompletionFormat,
+    Format,
+    Job,
+    OaiCompletionFormat,
+    Run,
+    sse,
+)
+
 N_BATCH = 512
 SLOT_PROMPT_SIMILARITY = 0.1
 
@@ -50,144 +77,10 @@ KV_MAGIC = 0x4B56
 SIDECAR_SUFFIX = ".ckpt"
 SIDECAR_SIZE = 384
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-REASONING_TEXT = "Let me think."
-TOOL_TRIGGER = "CALL_TOOL"
-TOOL_ARGUMENTS = {"x": 1}
-_TOOL_HEAD = re.compile(r'\s*\{"name": "([^"]+)", "arguments": ')
-
-ERROR_CODES = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "not_found_error": 404,
-    "server_error": 500,
-    "permission_error": 403,
-    "not_supported_error": 501,
-    "unavailable_error": 503,
-    "exceed_context_size_error": 400,
-}
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
 Reuse = Literal["full", "none", "extend", "window"]
 ReplyFn = Callable[[list[dict[str, Any]]], str]
-Json = dict[str, Any]
-
-
-class _RequestError(Exception):
-    """A request that the real server answers with an error JSON."""
-
-    def __init__(self, message: str, kind: str = "invalid_request_error", **extra: Any) -> None:
-        super().__init__(message)
-        self.message = message
-        self.kind = kind
-        self.extra = extra
-
-
-def error_json(message: str, kind: str, **extra: Any) -> Json:
-    return {"error": {"code": ERROR_CODES[kind], "message": message, "type": kind, **extra}}
-
-
-def error_response(message: str, kind: str = "invalid_request_error", **extra: Any) -> web.Response:
-    return web.json_response(error_json(message, kind, **extra), status=ERROR_CODES[kind])
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def tokenize(text: str, add_special: bool = False) -> list[int]:
-    """One token per UTF-8 byte (id = byte + 10); BOS (2) first when add_special."""
-    return ([BOS] if add_special else []) + [b + BYTE_OFFSET for b in text.encode()]
-
-
-def token_bytes(tokens: list[int]) -> bytes:
-    out = bytearray()
-    for tok in tokens:
-        if tok >= BYTE_OFFSET:
-            out.append(tok - BYTE_OFFSET)
-        elif tok == BOS:
-            out += b"<bos>"
-        elif tok == EOS:
-            out += b"<eos>"
-    return bytes(out)
-
-
-def detokenize(tokens: list[int]) -> str:
-    return token_bytes(tokens).decode(errors="replace")
-
-
-def tokenize_mixed(content: Any, add_special: bool) -> list[int]:
-    """Like the server's tokenize_mixed: a string, or a list of strings and token ids."""
-    if isinstance(content, str):
-        return tokenize(content, add_special)
-    if not isinstance(content, list):
-        raise _RequestError('"prompt" must be a string or an array of tokens')
-    out: list[int] = []
-    for i, item in enumerate(content):
-        if isinstance(item, str):
-            out += tokenize(item, add_special and i == 0)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            out.append(item)
-        else:
-            raise _RequestError("invalid prompt element")
-    return out
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-# --------------------------------------------------------------------------- template
-
-
-def content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [
-            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        ]
-        return "\n".join(parts)
-    raise _RequestError("Expected 'content' to be a string or an array")
-
-
-def render_chat(messages: list[Json], add_generation_prompt: bool = True) -> str:
-    """Gemma-like template; a trailing assistant message is continued (assistant prefill)."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise _RequestError("'messages' must be an array of objects")
-    prefill = bool(messages) and messages[-1].get("role") == "assistant"
-    if prefill:
-        if len(messages) >= 2 and messages[-2].get("role") == "assistant":
-            raise _RequestError("Cannot have 2 or more assistant messages at the end of the list.")
-        if messages[-1].get("tool_calls"):
-            raise _RequestError("Cannot continue an assistant message that contains tool calls.")
-        add_generation_prompt = False
-    out: list[str] = []
-    for i, msg in enumerate(messages):
-        role = msg.get("role", "user")
-        role = "model" if role == "assistant" else role
-        text = content_text(msg.get("content"))
-        for call in msg.get("tool_calls") or []:
-            # Like templates that print the arguments string as the client sent it.
-            fn = call.get("function") or {}
-            text += f"<tool_call>{fn.get('name')} {fn.get('arguments')}</tool_call>"
-        end = "" if prefill and i == len(messages) - 1 else "<end_of_turn>\n"
-        out.append(f"<start_of_turn>{role}\n{text}{end}")
-    if add_generation_prompt:
-        out.append("<start_of_turn>model\n")
-    return "".join(out)
-
-
-def default_reply(messages: list[Json]) -> str:
-    users = [m for m in messages if m.get("role") == "user"]
-    text = content_text(users[-1].get("content")) if users else ""
-    return "Echo: " + text[:40]
 
 
 def validate_filename(name: str) -> bool:
@@ -208,116 +101,6 @@ def validate_filename(name: str) -> bool:
     if name[0] == " " or name[-1] in " .":
         return False
     return ".." not in name and name != "."
-
-
-# --------------------------------------------------------------------------- output parsing
-
-
-@dataclass
-class _Msg:
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[tuple[str, str, str]] = field(default_factory=list)  # (id, name, arguments)
-
-
-def _strip_partial_tag(text: str, tag: str) -> str:
-    for i in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:i]):
-            return text[:-i]
-    return text
-
-
-def _json_value_prefix(text: str) -> str:
-    """The first JSON value of text if it is complete, else all of text."""
-    depth, in_str, esc = 0, False, False
-    for i, ch in enumerate(text):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return text[: i + 1]
-    return text
-
-
-def parse_output(
-    raw: str, partial: bool, thinking: bool, tools: bool, call_id: Callable[[int], str]
-) -> _Msg:
-    """Split raw generated text into reasoning, content and tool calls like the chat parser."""
-    msg = _Msg()
-    body = raw
-    if thinking:
-        if body.startswith(THINK_OPEN):
-            rest = body[len(THINK_OPEN) :]
-            if THINK_CLOSE in rest:
-                msg.reasoning, body = rest.split(THINK_CLOSE, 1)
-            else:
-                msg.reasoning = _strip_partial_tag(rest, THINK_CLOSE) if partial else rest
-                body = ""
-        elif partial and THINK_OPEN.startswith(body):
-            body = ""
-    if tools and body.startswith(TOOL_OPEN):
-        inner = body[len(TOOL_OPEN) :]
-        head = _TOOL_HEAD.match(inner)
-        if head:
-            msg.tool_calls.append(
-                (call_id(0), head.group(1), _json_value_prefix(inner[head.end() :]))
-            )
-        return msg
-    if tools and partial and TOOL_OPEN.startswith(body):
-        return msg
-    msg.content = body
-    return msg
-
-
-def diff_msgs(prev: _Msg, new: _Msg) -> list[Json]:
-    """OpenAI deltas between two parsed messages (common_chat_msg_diff::compute_diffs)."""
-    deltas: list[Json] = []
-    if new.reasoning != prev.reasoning:
-        deltas.append({"reasoning_content": new.reasoning[len(prev.reasoning) :]})
-    if new.content != prev.content:
-        deltas.append({"content": new.content[len(prev.content) :]})
-    for idx, (cid, name, args) in enumerate(new.tool_calls):
-        call: Json = {"index": idx}
-        if idx < len(prev.tool_calls):
-            pid, pname, pargs = prev.tool_calls[idx]
-            if (pid, pname) != (cid, name):
-                call.update(id=cid, type="function")
-            if args == pargs and (pid, pname) == (cid, name):
-                continue
-            fn: Json = {"name": name} if (pid, pname) != (cid, name) else {}
-            if args[len(pargs) :]:
-                fn["arguments"] = args[len(pargs) :]
-        else:
-            call.update(id=cid, type="function")
-            fn = {"name": name}
-            if args:
-                fn["arguments"] = args
-        if fn:
-            call["function"] = fn
-        deltas.append({"tool_calls": [call]})
-    return deltas
-
-
-def message_json(msg: _Msg) -> Json:
-    out: Json = {"role": "assistant", "content": msg.content}
-    if msg.reasoning:
-        out["reasoning_content"] = msg.reasoning
-    if msg.tool_calls:
-        out["tool_calls"] = [
-            {"type": "function", "function": {"name": name, "arguments": args}, "id": cid}
-            for cid, name, args in msg.tool_calls
-        ]
-    return out
 
 
 # --------------------------------------------------------------------------- slots
@@ -399,291 +182,9 @@ class _Ticket:
     target: int | None = None  # slot index of a slot action (its id_slot stays -1)
 
 
-@dataclass
-class _Job:
-    prompt: list[int]
-    generated: list[int]  # what the model would sample, ending with EOS
-    n_predict: int
-    id_slot: int
-    cache_prompt: bool
-    stream: bool
-    params: Json
-
-
-@dataclass
-class _Run:
-    """One completion task on a slot."""
-
-    slot: FakeSlot
-    job: _Job
-    cache_n: int = 0
-    sampled: list[int] = field(default_factory=list)
-    t_prompt_ms: float = 0.0
-    t_gen_ms: float = 0.0
-    released: bool = False
-
-    @property
-    def stopped_by_eos(self) -> bool:
-        return bool(self.sampled) and self.sampled[-1] == EOS
-
-    @property
-    def text_tokens(self) -> list[int]:
-        return [t for t in self.sampled if t != EOS]
-
-    def timings(self) -> Json:
-        prompt_n = len(self.job.prompt) - self.cache_n
-        predicted_n = len(self.sampled)
-        p_ms, g_ms = max(self.t_prompt_ms, 1e-3), max(self.t_gen_ms, 1e-3)
-        return {
-            "cache_n": self.cache_n,
-            "prompt_n": prompt_n,
-            "prompt_ms": self.t_prompt_ms,
-            "prompt_per_token_ms": p_ms / max(prompt_n, 1),
-            "prompt_per_second": 1e3 * prompt_n / p_ms,
-            "predicted_n": predicted_n,
-            "predicted_ms": self.t_gen_ms,
-            "predicted_per_token_ms": g_ms / max(predicted_n, 1),
-            "predicted_per_second": 1e3 * predicted_n / g_ms,
-        }
-
-    def usage(self) -> Json:
-        n_prompt, n_gen = len(self.job.prompt), len(self.sampled)
-        return {
-            "completion_tokens": n_gen,
-            "prompt_tokens": n_prompt,
-            "total_tokens": n_prompt + n_gen,
-            "prompt_tokens_details": {"cached_tokens": self.cache_n},
-        }
-
-
 def _wrap(id_slot: int, n_slots: int) -> int:
     # the server computes `id_slot % slots.size()` with an unsigned size: -1 wraps too
     return (id_slot % 2**64) % n_slots
-
-
-def _sse(data: Any) -> bytes:
-    # Compact JSON, as llama-server writes its events (and what lets a stream go at
-    # benchmark speed: one event per token).
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-# --------------------------------------------------------------------------- reply formats
-
-
-class _Format:
-    """Turns a completion run into the JSON of one endpoint (stream chunks and final)."""
-
-    done_marker = True  # OpenAI-compatible streams end with `data: [DONE]`
-
-    def __init__(self, model: str, cmpl_id: str) -> None:
-        self.model = model
-        self.cmpl_id = cmpl_id
-        self.created = int(time.time())
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._in_sequence = False  # the decoder holds the first bytes of a UTF-8 sequence
-        self.text = ""
-
-    def feed(self, tok: int) -> str | None:
-        """New text of a sampled token; None while a UTF-8 sequence is incomplete."""
-        if tok == EOS:
-            return ""
-        byte = tok - BYTE_OFFSET
-        if byte < 0x80 and not self._in_sequence:
-            piece = chr(byte)  # what the decoder returns, at a fraction of its cost
-        else:
-            piece = self._decoder.decode(bytes([byte]))
-            self._in_sequence = bool(self._decoder.getstate()[0])
-        if not piece:
-            return None
-        self.text += piece
-        return piece
-
-    def partial(self, run: _Run, tok: int) -> list[Json]:
-        raise NotImplementedError
-
-    def stream_events(self, run: _Run, tok: int) -> list[bytes]:
-        """The SSE events of a sampled token: `partial`'s, serialized."""
-        return [_sse(event) for event in self.partial(run, tok)]
-
-    def final_stream(self, run: _Run) -> list[Json]:
-        raise NotImplementedError
-
-    def final(self, run: _Run) -> Json:
-        raise NotImplementedError
-
-    def finish_reason(self, run: _Run, tool_calls: bool = False) -> str:
-        if not run.stopped_by_eos:
-            return "length"
-        return "tool_calls" if tool_calls else "stop"
-
-
-class _CompletionFormat(_Format):
-    """Native /completion replies (no [DONE] at the end of a stream)."""
-
-    done_marker = False
-
-    def partial(self, run: _Run, tok: int) -> list[Json]:
-        piece = self.feed(tok)
-        if piece is None:
-            return []
-        return [
-            {
-                "index": 0,
-                "content": piece,
-                "tokens": [],
-                "stop": False,
-                "id_slot": run.slot.id,
-                "tokens_predicted": len(run.sampled),
-                "tokens_evaluated": len(run.job.prompt),
-            }
-        ]
-
-    def final_stream(self, run: _Run) -> list[Json]:
-        return [self._final(run, "")]
-
-    def final(self, run: _Run) -> Json:
-        return self._final(run, detokenize(run.text_tokens))
-
-    def _final(self, run: _Run, content: str) -> Json:
-        return {
-            "index": 0,
-            "content": content,
-            "tokens": [],
-            "id_slot": run.slot.id,
-            "stop": True,
-            "model": self.model,
-            "tokens_predicted": len(run.sampled),
-            "tokens_evaluated": len(run.job.prompt),
-            "generation_settings": run.job.params,
-            "prompt": detokenize(run.job.prompt),
-            "has_new_line": "\n" in content,
-            "truncated": False,
-            "stop_type": "eos" if run.stopped_by_eos else "limit",
-            "stopping_word": "",
-            "tokens_cached": len(run.job.prompt) + max(len(run.sampled) - 1, 0),
-            "timings": run.timings(),
-        }
-
-
-class _OaiCompletionFormat(_Format):
-    """/v1/completions replies (object text_completion)."""
-
-    def _obj(self, text: str, finish_reason: str | None) -> Json:
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-        return {
-            "choices": [choice],
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": "fake",
-            "object": "text_completion",
-            "id": self.cmpl_id,
-        }
-
-    def partial(self, run: _Run, tok: int) -> list[Json]:
-        piece = self.feed(tok)
-        return [] if piece is None else [self._obj(piece, None)]
-
-    def final_stream(self, run: _Run) -> list[Json]:
-        out = self._obj("", self.finish_reason(run))
-        return [{**out, "usage": run.usage(), "timings": run.timings()}]
-
-    def final(self, run: _Run) -> Json:
-        out = self._obj(detokenize(run.text_tokens), self.finish_reason(run))
-        return {**out, "usage": run.usage(), "timings": run.timings()}
-
-
-class _ChatFormat(_Format):
-    """/v1/chat/completions replies, with reasoning and tool-call parsing."""
-
-    def __init__(
-        self,
-        model: str,
-        cmpl_id: str,
-        *,
-        thinking: bool,
-        tools: bool,
-        call_id: Callable[[int], str],
-        include_usage: bool,
-    ) -> None:
-        super().__init__(model, cmpl_id)
-        self.thinking = thinking
-        self.tools = tools
-        self.call_id = call_id
-        self.include_usage = include_usage
-        self.prev = _Msg()
-        self._content_events: dict[str, bytes] = {}  # piece -> its event, for plain content
-
-    def parse(self, partial: bool) -> _Msg:
-        return parse_output(self.text, partial, self.thinking, self.tools, self.call_id)
-
-    def _chunk(self, delta: Json | None, finish_reason: str | None = None) -> Json:
-        choices = (
-            [] if delta is None else [{"finish_reason": finish_reason, "index": 0, "delta": delta}]
-        )
-        return {
-            "choices": choices,
-            "created": self.created,
-            "id": self.cmpl_id,
-            "model": self.model,
-            "system_fingerprint": "fake",
-            "object": "chat.completion.chunk",
-        }
-
-    def partial(self, run: _Run, tok: int) -> list[Json]:
-        if self.feed(tok) is None:
-            return []
-        deltas: list[Json] = []
-        if len(run.sampled) == 1:
-            deltas.append({"role": "assistant", "content": None})
-        cur = self.parse(partial=True)
-        deltas += diff_msgs(self.prev, cur)
-        self.prev = cur
-        return [self._chunk(d) for d in deltas]
-
-    def stream_events(self, run: _Run, tok: int) -> list[bytes]:
-        """Same bytes as `partial`'s events. Past the first token of a reply that is plain
-        content (no reasoning, no tool calls to parse), the parsed message is the text so far
-        and its diff the new piece: that event is serialized once per piece. A stream then
-        costs the fake little more than its writes, as llama-server's cost next to kvproxy's
-        relay: the `overhead` benchmark's SSE rate measures the relay, not the fake."""
-        if self.thinking or self.tools or len(run.sampled) == 1:
-            return super().stream_events(run, tok)
-        piece = self.feed(tok)
-        if not piece:  # an incomplete UTF-8 sequence, or EOS: the content has not changed
-            return []
-        self.prev.content = self.text
-        event = self._content_events.get(piece)
-        if event is None:
-            event = self._content_events[piece] = _sse(self._chunk({"content": piece}))
-        return [event]
-
-    def final_stream(self, run: _Run) -> list[Json]:
-        msg = self.parse(partial=False)
-        out = [self._chunk(d) for d in diff_msgs(self.prev, msg)]
-        out.append(self._chunk({}, self.finish_reason(run, bool(msg.tool_calls))))
-        if self.include_usage:
-            out.append({**self._chunk(None), "usage": run.usage()})
-        out[-1]["timings"] = run.timings()
-        return out
-
-    def final(self, run: _Run) -> Json:
-        self.text = detokenize(run.text_tokens)
-        msg = self.parse(partial=False)
-        choice = {
-            "finish_reason": self.finish_reason(run, bool(msg.tool_calls)),
-            "index": 0,
-            "message": message_json(msg),
-        }
-        return {
-            "choices": [choice],
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": "fake",
-            "object": "chat.completion",
-            "usage": run.usage(),
-            "id": self.cmpl_id,
-            "timings": run.timings(),
-        }
 
 
 # --------------------------------------------------------------------------- server
@@ -901,7 +402,7 @@ class FakeLlamaServer:
             return await handler(request)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
             return error_response("File Not Found", "not_found_error")
-        except _RequestError as err:
+        except RequestError as err:
             return error_response(err.message, err.kind, **err.extra)
 
     @staticmethod
@@ -910,9 +411,9 @@ class FakeLlamaServer:
         try:
             body = json.loads(raw) if raw else {}
         except ValueError as err:
-            raise _RequestError(f"[json.exception.parse_error] {err}") from err
+            raise RequestError(f"[json.exception.parse_error] {err}") from err
         if not isinstance(body, dict):
-            raise _RequestError("request body must be a JSON object")
+            raise RequestError("request body must be a JSON object")
         return body
 
     # ----------------------------------------------------------------- simple routes
@@ -1123,18 +624,18 @@ class FakeLlamaServer:
 
     # ----------------------------------------------------------------- completions
 
-    def _job(self, body: Json, prompt: list[int], reply: str, *limit_keys: str) -> _Job:
+    def _job(self, body: Json, prompt: list[int], reply: str, *limit_keys: str) -> Job:
         if not prompt:
-            raise _RequestError("empty prompt")
+            raise RequestError("empty prompt")
         if any(not 0 <= t < N_VOCAB for t in prompt):
-            raise _RequestError("Prompt contains invalid tokens")
+            raise RequestError("Prompt contains invalid tokens")
         n_predict = -1
         for key in limit_keys:
             if body.get(key) is not None:
                 n_predict = int(body[key])
                 break
         stream = bool(body.get("stream", False))
-        return _Job(
+        return Job(
             prompt=prompt,
             generated=[*tokenize(reply), EOS],
             n_predict=n_predict,
@@ -1144,17 +645,17 @@ class FakeLlamaServer:
             params={"n_predict": n_predict, "stream": stream, "id_slot": body.get("id_slot", -1)},
         )
 
-    async def _launch(self, job: _Job) -> _Run:
+    async def _launch(self, job: Job) -> Run:
         """Queue the task, get its slot and decide how much of the prompt is reused."""
         future = asyncio.get_running_loop().create_future()
         slot: FakeSlot = await self._submit(_Ticket(job.id_slot, job.prompt, future))
-        run = _Run(slot=slot, job=job)
+        run = Run(slot=slot, job=job)
         slot.id_task = self._new_id()
         slot.n_predict, slot.params = job.n_predict, job.params
         n_prompt = len(job.prompt)
         if n_prompt >= slot.n_ctx:
             self._finish(run)
-            raise _RequestError(
+            raise RequestError(
                 f"request ({n_prompt} tokens) exceeds the available context size "
                 f"({slot.n_ctx} tokens), try increasing it",
                 "exceed_context_size_error",
@@ -1178,7 +679,7 @@ class FakeLlamaServer:
         run.cache_n = n_past
         return run
 
-    async def _prefill(self, run: _Run) -> None:
+    async def _prefill(self, run: Run) -> None:
         t0 = time.perf_counter()
         rest = run.job.prompt[run.cache_n :]
         for i in range(0, len(rest), N_BATCH):
@@ -1189,14 +690,14 @@ class FakeLlamaServer:
             run.slot.n_prompt_processed += len(chunk)
         run.t_prompt_ms = (time.perf_counter() - t0) * 1e3
 
-    def _planned(self, job: _Job) -> Iterator[int]:
+    def _planned(self, job: Job) -> Iterator[int]:
         """What the model samples: the reply, then EOS. With ignore_eos EOS is never sampled and
         the model goes on saying its reply again."""
         if not self.ignore_eos:
             return iter(job.generated)
         return itertools.cycle(job.generated[:-1] or tokenize(" "))
 
-    async def _generate(self, run: _Run) -> AsyncIterator[int]:
+    async def _generate(self, run: Run) -> AsyncIterator[int]:
         """Sample the planned tokens; the KV holds each sampled token but the last one."""
         job, slot = run.job, run.slot
         n_max = None if job.n_predict < 0 else max(job.n_predict, 1)
@@ -1213,12 +714,12 @@ class FakeLlamaServer:
             if len(job.prompt) + len(run.sampled) >= slot.n_ctx:
                 break  # out of context: stops like a length limit
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: Run) -> None:
         if not run.released:
             run.released = True
             self._release(run.slot)
 
-    async def _drive(self, request: web.Request, job: _Job, fmt: _Format) -> web.StreamResponse:
+    async def _drive(self, request: web.Request, job: Job, fmt: Format) -> web.StreamResponse:
         run = await self._launch(job)
         try:
             resp: web.StreamResponse | None = None
@@ -1236,7 +737,7 @@ class FakeLlamaServer:
             if resp is None:
                 return web.json_response(fmt.final(run))
             for chunk in fmt.final_stream(run):
-                await resp.write(_sse(chunk))
+                await resp.write(sse(chunk))
             if fmt.done_marker:
                 await resp.write(b"data: [DONE]\n\n")
             # A client may hang up as soon as it has the last event, before the stream ends.
@@ -1249,10 +750,10 @@ class FakeLlamaServer:
     def _cmpl_id(self) -> str:
         return f"chatcmpl-fake{self._next_id + 1:019d}"
 
-    async def _prompt_job(self, request: web.Request) -> _Job:
+    async def _prompt_job(self, request: web.Request) -> Job:
         body = await self._body(request)
         if "prompt" not in body:
-            raise _RequestError('"prompt" is required')
+            raise RequestError('"prompt" is required')
         prompt = tokenize_mixed(body["prompt"], add_special=True)
         reply = self.reply(
             [{"role": "user", "content": token_bytes(prompt).decode("utf-8", "replace")}]
@@ -1261,18 +762,18 @@ class FakeLlamaServer:
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         job = await self._prompt_job(request)
-        return await self._drive(request, job, _CompletionFormat(self.model_name, self._cmpl_id()))
+        return await self._drive(request, job, CompletionFormat(self.model_name, self._cmpl_id()))
 
     async def _completion_oai(self, request: web.Request) -> web.StreamResponse:
         job = await self._prompt_job(request)
-        fmt = _OaiCompletionFormat(self.model_name, f"cmpl-fake{self._next_id + 1:019d}")
+        fmt = OaiCompletionFormat(self.model_name, f"cmpl-fake{self._next_id + 1:019d}")
         return await self._drive(request, job, fmt)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _RequestError("'messages' is required and must be a non-empty array")
+            raise RequestError("'messages' is required and must be a non-empty array")
         text = render_chat(messages, bool(body.get("add_generation_prompt", True)))
         prompt = tokenize(text, add_special=True)
         tools = body.get("tools") or []
@@ -1293,7 +794,7 @@ class FakeLlamaServer:
             raw += self.reply(messages)
         job = self._job(body, prompt, raw, "n_predict", "max_completion_tokens", "max_tokens")
         digest = hashlib.sha256(text.encode()).hexdigest()
-        fmt = _ChatFormat(
+        fmt = ChatFormat(
             self.model_name,
             self._cmpl_id(),
             thinking=thinking and body.get("reasoning_format") != "none",
