@@ -23,7 +23,6 @@ import itertools
 import json
 import signal
 import socket
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -65,42 +64,22 @@ from .fakereplies import (
     Run,
     sse,
 )
+from .fakestate import (
+    BAD_FILE,
+    SIDECAR_SUFFIX,
+    decode_state,
+    encode_sidecar,
+    encode_state,
+    validate_filename,
+)
 
 N_BATCH = 512
 SLOT_PROMPT_SIMILARITY = 0.1
-
-STATE_MAGIC = 0x67677371  # "ggsq"
-STATE_VERSION = 4
-TOKENS_STATE_VERSION = 1
-KV_BYTES_PER_TOKEN = 16
-KV_MAGIC = 0x4B56
-SIDECAR_SUFFIX = ".ckpt"
-SIDECAR_SIZE = 384
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
 Reuse = Literal["full", "none", "extend", "window"]
 ReplyFn = Callable[[list[dict[str, Any]]], str]
-
-
-def validate_filename(name: str) -> bool:
-    """fs_validate_filename from common/common.cpp (without subdirectories)."""
-    if not name or len(name.encode()) > 255:
-        return False
-    for ch in name:
-        c = ord(ch)
-        if (
-            c <= 0x1F
-            or c == 0x7F
-            or 0x80 <= c <= 0x9F
-            or c in (0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF)
-            or 0xD800 <= c <= 0xDFFF
-            or ch in ':*?"<>|/\\'
-        ):
-            return False
-    if name[0] == " " or name[-1] in " .":
-        return False
-    return ".." not in name and name != "."
 
 
 # --------------------------------------------------------------------------- slots
@@ -526,25 +505,17 @@ class FakeLlamaServer:
         assert self.slot_save_path is not None
         t0 = time.perf_counter()
         path = self.slot_save_path / filename
+        if self.wipe_before_save:  # an idle-slot wipe that lands just before the save
+            slot.tokens.clear()
         n = len(slot.tokens)
-        words = [-1, TOKENS_STATE_VERSION, n, *slot.tokens, 0]
-        kv = struct.pack("<I", n) + b"".join(
-            struct.pack("<4i", tok, pos, tok ^ pos, KV_MAGIC) for pos, tok in enumerate(slot.tokens)
-        )
-        data = struct.pack(f"<III{len(words)}i", STATE_MAGIC, STATE_VERSION, len(words), *words)
-        data += kv
+        data = encode_state(slot.tokens)
         try:
-            if self.wipe_before_save:  # an idle-slot wipe that lands just before the save
-                slot.tokens.clear()
-                n, words, kv = 0, [-1, TOKENS_STATE_VERSION, 0, 0], struct.pack("<I", 0)
-                data = struct.pack(f"<III{len(words)}i", STATE_MAGIC, STATE_VERSION, 4, *words) + kv
             if self.fail_saves:  # ENOSPC halfway: llama.cpp leaves the partial file behind
                 path.write_bytes(data[: len(data) // 2])
                 raise OSError("No space left on device")
             path.write_bytes(data)
             if self.write_sidecar:
-                side = b"FAKECKPT" + struct.pack("<I", n)
-                Path(str(path) + SIDECAR_SUFFIX).write_bytes(side.ljust(SIDECAR_SIZE, b"\0"))
+                Path(str(path) + SIDECAR_SUFFIX).write_bytes(encode_sidecar(n))
         except OSError:
             return 500, error_json("Unable to save slot", "server_error")
         return 200, {
@@ -557,43 +528,11 @@ class FakeLlamaServer:
 
     def _read_state(self, path: Path, n_ctx: int) -> tuple[list[int], int]:
         """llama_state_seq_load_file + server_tokens::deserialize; raises ValueError."""
-        bad_file = "No available space in KV cache or invalid slot save file"
         try:
             data = path.read_bytes()
         except OSError as err:
-            raise ValueError(bad_file) from err
-        if len(data) < 12:
-            raise ValueError(bad_file)
-        magic, version, n_words = struct.unpack_from("<III", data, 0)
-        if magic != STATE_MAGIC or version != STATE_VERSION or 12 + 4 * n_words > len(data):
-            raise ValueError(bad_file)
-        words = list(struct.unpack_from(f"<{n_words}i", data, 12))
-        off = 12 + 4 * n_words
-        if len(data) < off + 4:
-            raise ValueError(bad_file)
-        (n_cells,) = struct.unpack_from("<I", data, off)
-        kv_end = off + 4 + KV_BYTES_PER_TOKEN * n_cells
-        if len(data) < kv_end or n_cells > n_ctx:
-            raise ValueError(bad_file)
-        if words and words[0] == -1:
-            if len(words) < 3 or words[1] != TOKENS_STATE_VERSION:
-                raise ValueError("Unsupported server tokens state version")
-            n_tok = words[2]
-            if n_tok < 0 or len(words) < 4 + n_tok:
-                raise ValueError("Cannot read server tokens state")
-            tokens = words[3 : 3 + n_tok]
-            if words[3 + n_tok] != 0:
-                raise ValueError("Cannot restore media tokens without an mmproj")
-            if len(words) > 4 + n_tok:
-                raise ValueError("Trailing data in server tokens state")
-        else:
-            tokens = words  # plain token list, as written by older servers
-        if n_cells != len(tokens):
-            raise ValueError(bad_file)
-        if len(tokens) > n_ctx:
-            raise ValueError("Restored prompt does not fit in the slot context")
-        if any(not 0 <= t < N_VOCAB for t in tokens):
-            raise ValueError("Invalid tokens in slot save file")
+            raise ValueError(BAD_FILE) from err
+        tokens, kv_end = decode_state(data, n_ctx)
         if self.write_sidecar and not Path(str(path) + SIDECAR_SUFFIX).is_file():
             raise ValueError("failed to load context checkpoints")
         return tokens, kv_end
