@@ -345,7 +345,10 @@ async def test_queue_bound_gives_503_with_retry_after(make: Maker) -> None:
 async def test_queue_timeout_gives_503(make: Maker) -> None:
     fake, proxy = await make(server={"token_delay": 0.03}, queue_timeout=0.2)
     slow = [asyncio.create_task(chat(proxy, conv(c))) for c in (1, 2)]
-    await asyncio.sleep(0.1)
+    for _ in range(500):  # until both hold their slots (a loaded machine takes its time)
+        if all(s.busy for s in proxy.cache.pool.slots):
+            break
+        await asyncio.sleep(0.01)
     status, body, headers = await chat(proxy, conv(3))
     assert status == 503 and "Retry-After" in headers
     await asyncio.gather(*slow)

@@ -376,12 +376,13 @@ async def test_server_picks_slot_by_prefix_then_lru(
 async def test_busy_slot_queues_requests(
     http: aiohttp.ClientSession, make_server: MakeServer
 ) -> None:
-    server = await make_server(token_delay=0.02)
+    # The first reply takes ~0.9 s: time for the second request to arrive on a loaded machine.
+    server = await make_server(token_delay=0.05)
     first = asyncio.create_task(chat(http, server, USER, id_slot=0))
     await until(lambda: server.slots[0].is_processing)
     second = asyncio.create_task(chat(http, server, USER, id_slot=0))
-    await asyncio.sleep(0.05)
-    assert not second.done() and server.deferred_tasks == 1
+    await until(lambda: server.deferred_tasks == 1)
+    assert not second.done() and not first.done()
     _, r2 = await asyncio.gather(first, second)
     assert r2["timings"]["cache_n"] == len(chat_prompt(USER)) - 1
     assert server.deferred_actions == 0
@@ -514,12 +515,12 @@ async def test_erase(http: aiohttp.ClientSession, server: FakeLlamaServer) -> No
 async def test_action_on_busy_slot_is_deferred(
     http: aiohttp.ClientSession, make_server: MakeServer
 ) -> None:
-    server = await make_server(token_delay=0.01)
+    server = await make_server(token_delay=0.05)  # as above: the save arrives while it runs
     gen = asyncio.create_task(chat(http, server, USER, id_slot=0))
     await until(lambda: server.slots[0].is_processing)
     save = asyncio.create_task(post(http, server, "/slots/0?action=save", {"filename": "b.kv"}))
-    await asyncio.sleep(0.05)
-    assert not save.done() and server.deferred_actions == 1
+    await until(lambda: server.deferred_actions == 1)
+    assert not save.done() and not gen.done()
     await gen
     status, body = await save
     assert status == 200
