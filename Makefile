@@ -7,10 +7,10 @@ export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
 .PHONY: install run test lint
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml bench/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[server,bench,dev]'
+	$(PY) -m pip install -e '.[server,dev]' -e ./bench
 	touch $@
 
 install: $(VENV)/.installed
@@ -22,6 +22,6 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check kvproxy tests examples
-	$(VENV)/bin/ruff format --check kvproxy tests examples
+	$(VENV)/bin/ruff check kvproxy bench tests examples
+	$(VENV)/bin/ruff format --check kvproxy bench tests examples
 	$(VENV)/bin/mypy

@@ -3,7 +3,7 @@
 import contextlib
 import sys
 
-from .cli import main
+from kvproxy.cli import main
 
 with contextlib.suppress(KeyboardInterrupt):
     sys.exit(main())

@@ -34,6 +34,13 @@ PROMPT_FIELDS = (
     "continue_final_message",
 )
 
+# Request fields that the server's template rendering reads, beyond the messages.
+TEMPLATE_FIELDS = (*PROMPT_FIELDS, "tool_choice", "response_format")
+
+
+def template_fields(payload: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: payload[name] for name in TEMPLATE_FIELDS if name in payload}
+
 
 class UnkeyableRequest(ValueError):
     """The request's messages cannot be keyed (wrong shapes): it is forwarded uncached."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from kvproxy.bench.agentclients import (
+from kvproxy_bench.agentclients import (
     CLAUDE_CODE,
     CODEX,
     NPM_PACKAGES,

@@ -18,16 +18,16 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvproxy.cache import ConversationCache
+from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
-from kvproxy.managed import (
+from kvproxy.edge.app import SERVICE, build_app
+from kvproxy.server.managed import (
     ManagedServer,
     find_server_binary,
     free_port,
     resolve_model,
     server_command,
 )
-from kvproxy.proxy import SERVICE, build_app
 from kvproxy.store import IndexDB
 
 from .fakeserver import FakeLlamaServer

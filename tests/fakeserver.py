@@ -1,7 +1,7 @@
 """The fake llama-server lives in kvproxy.testing (benchmarks run it too); these are the names
 the tests import from here."""
 
-from kvproxy.testing.fakemodel import BOS, EOS, common_prefix, render_chat, tokenize
-from kvproxy.testing.fakeserver import FakeLlamaServer
+from kvproxy_fake.model import BOS, EOS, common_prefix, render_chat, tokenize
+from kvproxy_fake.server import FakeLlamaServer
 
 __all__ = ["BOS", "EOS", "FakeLlamaServer", "common_prefix", "render_chat", "tokenize"]

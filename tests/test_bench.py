@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from kvproxy_bench import load, overhead, restore, workload
+from kvproxy_bench.arms import ALL_ARMS, DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY, BenchEnv
+from kvproxy_bench.command import write_outputs
+from kvproxy_bench.report import header
 
 from kvproxy import cli
-from kvproxy.bench import load, overhead, restore, workload
-from kvproxy.bench.arms import ALL_ARMS, DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY, BenchEnv
-from kvproxy.bench.command import write_outputs
-from kvproxy.bench.report import header
 
 pytestmark = pytest.mark.real
 

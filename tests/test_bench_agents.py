@@ -11,10 +11,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-
-from kvproxy.bench import agents
-from kvproxy.bench.agentdrivers import CODEX, SDK
-from kvproxy.bench.arms import KVPROXY, BenchEnv
+from kvproxy_bench import agents
+from kvproxy_bench.agentdrivers import CODEX, SDK
+from kvproxy_bench.arms import KVPROXY, BenchEnv
 
 pytestmark = pytest.mark.real
 

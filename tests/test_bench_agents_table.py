@@ -7,10 +7,9 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
-
-from kvproxy.bench import agents
-from kvproxy.bench.agentdrivers import CODEX, OPENCLAW
-from kvproxy.bench.arms import DIRECT_RAM_CACHE, KVPROXY
+from kvproxy_bench import agents
+from kvproxy_bench.agentdrivers import CODEX, OPENCLAW
+from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY
 
 
 def row(

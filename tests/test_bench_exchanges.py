@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-
-from kvproxy.bench.exchanges import DIRECT, read
-from kvproxy.bench.tap import Exchange
+from kvproxy_bench.exchanges import DIRECT, read
+from kvproxy_bench.tap import Exchange
 
 
 def events(*chunks: dict[str, Any], named: bool = False) -> bytes:

@@ -16,8 +16,8 @@ import aiohttp
 import orjson
 import pytest
 
-from kvproxy.managed import free_port
-from kvproxy.proxy import SERVICE
+from kvproxy.edge.app import SERVICE
+from kvproxy.server.managed import free_port
 
 from .conftest import Maker, RealServer, RunningProxy, start_proxy, start_real_server
 

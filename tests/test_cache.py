@@ -11,9 +11,9 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from kvproxy_fake.model import default_reply
 
 from kvproxy.store import DB_NAME
-from kvproxy.testing.fakemodel import default_reply
 
 from .conftest import Maker, RunningProxy, committed, start_proxy
 from .fakeserver import FakeLlamaServer

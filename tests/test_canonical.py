@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvproxy import canonical
+from kvproxy.cache.canonical import prefix as canonical
 
 from .conftest import Maker, start_proxy
 from .fakeserver import FakeLlamaServer, render_chat

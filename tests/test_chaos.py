@@ -9,10 +9,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
-from kvproxy.bench import chaos
-from kvproxy.bench.arms import BenchEnv
-from kvproxy.bench.chaos_plan import Fault, Kind, Outcome
+from kvproxy_bench import chaos
+from kvproxy_bench.arms import BenchEnv
+from kvproxy_bench.chaos_plan import Fault, Kind, Outcome
 
 pytestmark = pytest.mark.real
 

@@ -7,10 +7,9 @@ import random
 from pathlib import Path
 
 import pytest
-
-from kvproxy.bench import chaos
-from kvproxy.bench.chaos_audit import audit
-from kvproxy.bench.chaos_plan import (
+from kvproxy_bench import chaos
+from kvproxy_bench.chaos_audit import audit
+from kvproxy_bench.chaos_plan import (
     Fault,
     Kind,
     Outcome,
@@ -22,10 +21,11 @@ from kvproxy.bench.chaos_plan import (
     fault_plan,
     parts_at_a_tie,
 )
-from kvproxy.bench.chaos_wire import Stream, answer_of, route_body
+from kvproxy_bench.chaos_wire import Stream, answer_of, route_body
+
 from kvproxy.store.entry import Entry
 from kvproxy.store.files import STATE_MAGIC
-from kvproxy.store.index import Store
+from kvproxy.store.store import Store
 
 
 def test_the_fault_plan_is_seeded_and_mixes_both_kinds() -> None:
@@ -167,8 +167,9 @@ def _result(*broken: Outcome) -> chaos.ChaosResult:
 def test_the_command_fails_when_a_promise_breaks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, broken: tuple[Outcome, ...], code: int
 ) -> None:
+    from kvproxy_bench import command
+
     from kvproxy import cli
-    from kvproxy.bench import command
 
     async def run_chaos(env: object, opts: chaos.ChaosOptions) -> chaos.ChaosResult:
         assert (opts.seed, opts.faults) == (7, 10)

@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import aiohttp
-
-from kvproxy.testing.fakemodel import render_chat
-from kvproxy.testing.fakeserver import FakeLlamaServer
+from kvproxy_fake.model import render_chat
+from kvproxy_fake.server import FakeLlamaServer
 
 from .conftest import Maker, start_proxy
 from .test_cache import chat, conv, settle

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvproxy.config import Settings
-from kvproxy.managed import find_server_binary, free_port, server_command
+from kvproxy.server.managed import find_server_binary, free_port, server_command
 
 from .conftest import bundled_model, run_server_command, server_loop
 

@@ -9,8 +9,8 @@ import pytest
 
 from kvproxy.cli import main
 from kvproxy.config import Settings
-from kvproxy.doctor import Check, diagnose
-from kvproxy.managed import free_port
+from kvproxy.server.doctor import Check, diagnose
+from kvproxy.server.managed import free_port
 
 from .conftest import RealServer, start_real_server
 from .fakeserver import FakeLlamaServer

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kvproxy import keys
-from kvproxy.explain import MARK, excerpt, explain_miss
+from kvproxy.cache.explain import MARK, excerpt, explain_miss
 from kvproxy.store import DB_NAME, Entry, Store
 
 from .conftest import Maker, RunningProxy, start_proxy

@@ -14,11 +14,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from kvproxy_fake.model import BOS, EOS, common_prefix, render_chat, tokenize
+from kvproxy_fake.replies import ChatFormat, Job, Run, sse
+from kvproxy_fake.server import FakeLlamaServer, FakeSlot
 
-from kvproxy.managed import free_port
-from kvproxy.testing.fakemodel import BOS, EOS, common_prefix, render_chat, tokenize
-from kvproxy.testing.fakereplies import ChatFormat, Job, Run, sse
-from kvproxy.testing.fakeserver import FakeLlamaServer, FakeSlot
+from kvproxy.server.managed import free_port
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -759,7 +759,7 @@ async def test_runs_as_a_process(http: aiohttp.ClientSession) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "kvproxy.testing.fakeserver",
+        "kvproxy_fake.server",
         *("--port", str(port), "--no-slots", "--ignore-eos"),
     )
     url = f"http://127.0.0.1:{port}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvproxy.managed import free_port
+from kvproxy.server.managed import free_port
 from kvproxy.store import DB_NAME, IndexDB
 
 from .conftest import Maker, start_proxy

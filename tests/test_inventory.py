@@ -12,8 +12,8 @@ import pytest
 
 from kvproxy import keys
 from kvproxy.cli import main
-from kvproxy.display import PROGRESS_MIN, human_age, human_bytes
-from kvproxy.managed import free_port
+from kvproxy.cli.display import PROGRESS_MIN, human_age, human_bytes
+from kvproxy.server.managed import free_port
 from kvproxy.store import DB_NAME, Entry, Store
 
 from .conftest import Maker, RunningProxy, start_proxy

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy import dirfiles, leftover
-from kvproxy.leftover import Running, Started
+from kvproxy.server import leftover
+from kvproxy.server.leftover import Running, Started
+from kvproxy.store import dirfiles
 
 COMMAND = ("sleep", "300")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvproxy.managed import free_port
+from kvproxy.server.managed import free_port
 
 pytestmark = pytest.mark.real
 

@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from kvproxy_bench.dialogues import system_prompt
 
 from kvproxy import keys
-from kvproxy.bench.conversations import system_prompt
 from kvproxy.wire import Conversation
 from kvproxy.wire.anthropic import normalize_billing_header, to_chat
 from kvproxy.wire.messages import MessageJson, MessagesAdapter, MessageStream
@@ -155,7 +155,7 @@ def test_keys_see_through_cache_control_block_shapes_and_the_billing_header() ->
 
 
 def test_the_reply_is_keyed_as_the_client_echoes_it() -> None:
-    from kvproxy.replies import Reply
+    from kvproxy.wire.capture import Reply
 
     reply = Reply(
         content="ok",

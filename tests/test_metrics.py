@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvproxy.metrics import quantile
+from kvproxy.obs.metrics import quantile
 from kvproxy.store import DB_NAME
 
 from .conftest import Maker, RunningProxy, start_proxy

@@ -12,8 +12,8 @@ from typing import Any
 import gguf
 import pytest
 
-from kvproxy.managed import resolve_model
-from kvproxy.modelinfo import ModelInfo, read_gguf_metadata, read_model_info
+from kvproxy.server.managed import resolve_model
+from kvproxy.server.modelinfo import ModelInfo, read_gguf_metadata, read_model_info
 
 from .conftest import RealServer, start_real_server
 from .ggufmodels import model_files

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy.modelinfo import ModelClass, ModelInfo
-from kvproxy.policy import (
+from kvproxy.cache.policy import (
     StoredView,
     near_end_candidate,
     pick_stored,
@@ -18,6 +17,7 @@ from kvproxy.policy import (
     reuse_rule,
     window_serves,
 )
+from kvproxy.server.modelinfo import ModelClass, ModelInfo
 
 from .conftest import Maker, RunningProxy
 from .fakeserver import render_chat

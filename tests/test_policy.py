@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.policy import (
+from kvproxy.cache.policy import (
     INEFFECTIVE_LIMIT,
     HeldView,
     Move,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvproxy.pressure import IdleView, LiveConversations, next_background_save
+from kvproxy.cache.pressure import IdleView, LiveConversations, next_background_save
 
 
 def view(i: int, idle_for: float, busy: bool = False, worth: bool = True) -> IdleView:

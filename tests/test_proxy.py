@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvproxy.managed import free_port
+from kvproxy.server.managed import free_port
 
 from .conftest import RunningProxy, start_proxy
 

@@ -15,12 +15,12 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from kvproxy_bench.dialogues import first_turn
 
-from kvproxy.bench.conversations import first_turn
-from kvproxy.events import Count, RequestEvent, SlotActionEvent
-from kvproxy.managed import free_port
-from kvproxy.proxy import SERVICE
-from kvproxy.relay import send
+from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
+from kvproxy.edge.app import SERVICE
+from kvproxy.http.relay import send
+from kvproxy.server.managed import free_port
 
 from .agents import CLAUDE_CODE, CODEX, client_env, install
 from .conftest import RunningProxy, start_proxy, start_real_server

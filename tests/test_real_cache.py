@@ -10,8 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-
-from kvproxy.bench.conversations import first_turn
+from kvproxy_bench.dialogues import first_turn
 
 from .conftest import RealServer, committed, start_proxy, start_real_server
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-
-from kvproxy.bench.conversations import system_prompt
+from kvproxy_bench.dialogues import system_prompt
 
 from .conftest import RealServer, bundled_model, start_proxy, start_real_server
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from kvproxy_bench.dialogues import first_turn
 
-from kvproxy.bench.conversations import first_turn
-from kvproxy.managed import free_port
+from kvproxy.server.managed import free_port
 
 from .conftest import committed, start_proxy, start_real_server
 from .test_cache import settle

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvproxy_bench.canonical_cost import GEMMA_TEMPLATE, CountingClient
+from kvproxy_bench.dialogues import system_prompt
 
-from kvproxy import canonical, tokensplit
-from kvproxy.bench.canonical import GEMMA_TEMPLATE, CountingClient
-from kvproxy.bench.conversations import system_prompt
-from kvproxy.upstream import Upstream
+from kvproxy.cache.canonical import prefix as canonical
+from kvproxy.cache.canonical import tokensplit
+from kvproxy.http.session import Upstream
 
 from .conftest import RealServer, start_real_server
 

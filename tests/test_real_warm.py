@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from kvproxy.bench.conversations import first_turn
+from kvproxy_bench.dialogues import first_turn
 
 from .conftest import RealServer, RunningProxy, committed, start_proxy
 from .test_real_cache import chat, next_turn

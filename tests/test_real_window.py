@@ -9,8 +9,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from kvproxy.modelinfo import read_model_info
-from kvproxy.policy import StoredView, reuse_rule, window_serves
+from kvproxy.cache.policy import StoredView, reuse_rule, window_serves
+from kvproxy.server.modelinfo import read_model_info
 
 from .conftest import RealServer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from kvproxy.replies import ReplyCapture
+from kvproxy.wire.capture import ReplyCapture
 
 
 def sse(*chunks: dict) -> bytes:

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
+from kvproxy.cache.events import MissExplanation, RequestEvent
 from kvproxy.cli import load_settings, setup_logging
-from kvproxy.events import MissExplanation, RequestEvent
-from kvproxy.requestlog import JsonFormatter, format_request, request_fields
+from kvproxy.obs.requestlog import JsonFormatter, format_request, request_fields
 
 from .conftest import Maker, RunningProxy
 from .test_cache import chat, conv, settle, then

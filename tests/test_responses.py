@@ -20,12 +20,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from kvproxy_bench.dialogues import system_prompt
 
 from kvproxy import keys
-from kvproxy.bench.conversations import system_prompt
-from kvproxy.proxy import PINNABLE_PATHS, SERVICE
-from kvproxy.replies import Reply
+from kvproxy.edge.app import PINNABLE_PATHS, SERVICE
 from kvproxy.wire import Conversation, NotKeyed
+from kvproxy.wire.capture import Reply
 from kvproxy.wire.responses import (
     NotConvertible,
     ResponsesAdapter,

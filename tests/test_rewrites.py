@@ -15,9 +15,9 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy import dirfiles
-from kvproxy.habits import Habits
-from kvproxy.rewrites import Kind, Rewrite, Rewrites, observe, rewrite
+from kvproxy.cache.habits import Habits
+from kvproxy.cache.habits.rewrites import Kind, Rewrite, Rewrites, observe, rewrite
+from kvproxy.store import dirfiles
 
 from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import render_chat

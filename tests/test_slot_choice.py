@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from kvproxy.conversations import UNKNOWN_REPLY_TOKENS
-from kvproxy.llama import SlotInfo
-from kvproxy.slots import Holding, SlotPool
+from kvproxy.cache.keyed import UNKNOWN_REPLY_TOKENS
+from kvproxy.cache.slots import Holding, SlotPool
+from kvproxy.server.api import SlotInfo
 
 
 def pool_with_two_conversations() -> SlotPool:

@@ -14,11 +14,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+from kvproxy_bench.arms import BenchEnv, DirectArm
 
-from kvproxy.bench.arms import BenchEnv, DirectArm
-from kvproxy.managed import ManagedServer, ServerError, free_port
-from kvproxy.modelinfo import read_model_info
-from kvproxy.startup import (
+from kvproxy.server.managed import ManagedServer, ServerError, free_port
+from kvproxy.server.modelinfo import read_model_info
+from kvproxy.server.startup import (
     NO_REPACK,
     Exit,
     Quirks,

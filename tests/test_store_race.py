@@ -22,10 +22,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvproxy import backend as backendmod
-from kvproxy import cache as cachemod
 from kvproxy import keys
-from kvproxy.proxy import SERVICE
+from kvproxy.cache import backend as backendmod
+from kvproxy.cache import wiring as cachemod
+from kvproxy.edge.app import SERVICE
 from kvproxy.store import DB_NAME, Entry, Store
 from kvproxy.store import files as storefiles
 

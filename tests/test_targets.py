@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from kvproxy.bench import targets, workload
-from kvproxy.bench.arms import DIRECT_RAM_CACHE, KVPROXY
+from kvproxy_bench import targets, workload
+from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY
 
 
 def row(case: str, arm: str, turn: int, seconds: float, cached: int) -> workload.Row:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import re
 
-from kvproxy import canonical, tokensplit
-from kvproxy.llama import LlamaClient
-from kvproxy.upstream import Upstream
+from kvproxy.cache.canonical import prefix as canonical
+from kvproxy.cache.canonical import tokensplit
+from kvproxy.http.session import Upstream
+from kvproxy.server.api import LlamaClient
 
 BOS = 2
 TURN = "<start_of_turn>"

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvproxy.upstream import IDLE_REUSE_S, Upstream, UpstreamError
+from kvproxy.http.session import IDLE_REUSE_S, Upstream, UpstreamError
 
 BODY = b'{"prompt":"hi"}'
 REPLY = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -13,9 +13,9 @@
 - `kvproxy.store.entry`: `Entry`, one saved state, and the old JSON index record.
 """
 
-from .db import IndexDB
-from .entry import Entry
-from .files import (
+from kvproxy.store.db import IndexDB
+from kvproxy.store.entry import Entry
+from kvproxy.store.files import (
     MAX_IDX_BYTES,
     MAX_MSGS_BYTES,
     MSGS_SUFFIX,
@@ -25,9 +25,9 @@ from .files import (
     Scanned,
     StoreFiles,
 )
-from .index import Store
-from .listing import SORTS, Listing, Totals
-from .schema import DB_NAME
+from kvproxy.store.listing import SORTS, Listing, Totals
+from kvproxy.store.schema import DB_NAME
+from kvproxy.store.store import Store
 
 __all__ = [
     "DB_NAME",

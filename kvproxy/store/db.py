@@ -21,11 +21,11 @@ from pathlib import Path
 
 import orjson
 
-from . import lookup
-from .entry import Entry
-from .listing import Listing, Totals, listing, totals
-from .schema import COLUMNS, FROM, connect, entry_of, pack_chain, pkey, sidecars
-from .schema import DB_NAME as DB_NAME  # where kvproxy's tools look for it
+from kvproxy.store import lookup
+from kvproxy.store.entry import Entry
+from kvproxy.store.listing import Listing, Totals, listing, totals
+from kvproxy.store.schema import COLUMNS, FROM, connect, entry_of, pack_chain, pkey, sidecars
+from kvproxy.store.schema import DB_NAME as DB_NAME  # where kvproxy's tools look for it
 
 
 class IndexDB:

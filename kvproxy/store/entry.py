@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from ..keys import is_key
+from kvproxy.keys import is_key
 
 
 @dataclass

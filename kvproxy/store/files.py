@@ -32,8 +32,8 @@ from typing import Any
 import orjson
 import xxhash
 
-from ..keys import is_key
-from .entry import Entry
+from kvproxy.keys import is_key
+from kvproxy.store.entry import Entry
 
 log = logging.getLogger("kvproxy.store")
 

@@ -6,8 +6,8 @@ import math
 import sqlite3
 from dataclasses import dataclass
 
-from .entry import Entry
-from .schema import COLUMNS, FROM, entry_of
+from kvproxy.store.entry import Entry
+from kvproxy.store.schema import COLUMNS, FROM, entry_of
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from .entry import Entry
-from .schema import COLUMNS, FROM, entry_of, pkey
+from kvproxy.store.entry import Entry
+from kvproxy.store.schema import COLUMNS, FROM, entry_of, pkey
 
 PROBES = 8  # depths probed per statement
 MAX_PARAMS = 500  # keys per IN (...) query: well under SQLite's parameter limit

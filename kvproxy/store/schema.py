@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from .entry import Entry
+from kvproxy.store.entry import Entry
 
 DB_NAME = "index.sqlite3"
 SCHEMA_VERSION = 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .db import IndexDB
-from .entry import Entry
+from kvproxy.store.db import IndexDB
+from kvproxy.store.entry import Entry
 
 Run = Callable[[Callable[[IndexDB], Any]], Any]  # `Store._sync`: work on this thread's connection
 

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .. import canonical, keys
-from ..replies import Reply
+from kvproxy import keys
+from kvproxy.wire.capture import Reply
 
 
 @dataclass
@@ -123,5 +123,5 @@ def keyed(
         chain = keys.chain(ns, messages)
     except keys.UnkeyableRequest as exc:
         return NotKeyed(str(exc))
-    template = canonical.template_fields(rendered)
+    template = keys.template_fields(rendered)
     return Conversation(payload, ns, chain, messages, template, tenant)

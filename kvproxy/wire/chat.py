@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from ..replies import Reply, ReplyCapture
-from . import Conversation, NotKeyed, keyed
+from kvproxy.wire import Conversation, NotKeyed, keyed
+from kvproxy.wire.capture import Reply, ReplyCapture
 
 
 class ChatAdapter:

@@ -17,9 +17,9 @@ from typing import Any
 
 import orjson
 
-from ..replies import Reply, ReplyCapture
-from . import Conversation, NotKeyed, keyed
-from .anthropic import NotConvertible, convert_message, to_chat
+from kvproxy.wire import Conversation, NotKeyed, keyed
+from kvproxy.wire.anthropic import NotConvertible, convert_message, to_chat
+from kvproxy.wire.capture import Reply, ReplyCapture
 
 CHAT_PATH = "/v1/chat/completions"
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}

@@ -22,8 +22,8 @@ from typing import Any
 
 import orjson
 
-from ..replies import CapturedBytes, Reply
-from . import Conversation, NotKeyed, keyed
+from kvproxy.wire import Conversation, NotKeyed, keyed
+from kvproxy.wire.capture import CapturedBytes, Reply
 
 
 class NotConvertible(ValueError):

@@ -1,0 +1,658 @@
+"""`chaos`: a bounded mixed workload through kvproxy in front of a real llama-server, with
+SIGKILLs of either process, then an audit of what is left.
+
+The workload: `clients` concurrent clients, `tenants` API keys, conversations speaking chat
+(whole, streamed, hung up mid-stream), Anthropic Messages (whole and streamed) and Responses,
+plus raw `/completion` calls, `/metrics` scrapes and cross-tenant probes (a key never seen
+before sending another tenant's conversation byte for byte). Faults are spread evenly over the
+run: kvproxy (sidecar mode, restarted on the same port and cache dir) or llama-server
+(restarted on the same port) killed with SIGKILL at a random moment of whatever is in flight.
+Every request has a time bound; a request that reaches it is stuck.
+
+At the end kvproxy stops (SIGTERM: it saves every slot), the server is killed and restarted
+(its slots empty), kvproxy starts again, and every conversation sends one more turn, which
+kvproxy should restore from disk. kvproxy stops, the cache dir is audited, and each of those
+turns is sent straight to the server, every slot erased first: the answers must be the same.
+
+Decisions live in chaos_plan.py, the wire in chaos_wire.py, the audit in chaos_audit.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvproxy.keys import shared_prefix
+from kvproxy.server.managed import ManagedServer, free_port, server_command
+from kvproxy_bench.arms import BenchEnv, ProxyArm
+from kvproxy_bench.chaos_audit import Audit, audit
+from kvproxy_bench.chaos_plan import (
+    BROKEN,
+    Fault,
+    Kind,
+    Outcome,
+    Tally,
+    Verdict,
+    Wire,
+    cross_tenant,
+    fault_due,
+    fault_plan,
+    parts_at_a_tie,
+    side_request,
+    turn_kind,
+    wire_of,
+)
+from kvproxy_bench.chaos_wire import Sent, route_body, send
+from kvproxy_bench.client import Client
+from kvproxy_bench.dialogues import first_turn, question
+from kvproxy_bench.report import progress, table
+from kvproxy_bench.targets import Check
+
+
+@dataclass
+class ChaosOptions:
+    seed: int = 1
+    requests: int = 80  # at least this many; the run also goes on until every fault is in
+    faults: int = 10
+    duration: float = 900.0  # hard bound on the workload, seconds
+    clients: int = 4
+    tenants: int = 4
+    conversations: int = 8
+    slots: int = 2
+    ctx_per_slot: int = 2048
+    n_facts: int = 10  # ~250-token system prompts
+    max_tokens: int = 8
+    max_turns: int = 6
+    stuck_after: float = 120.0  # a request with no answer this long is stuck
+    proxy_args: tuple[str, ...] = ("--min-tokens", "64")
+
+
+@dataclass
+class Convo:
+    id: int  # its project number, in its system prompt
+    tenant: int
+    wire: Wire
+    history: list[dict[str, Any]]  # system, then user/assistant pairs that were answered
+    turns: int = 0
+    busy: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"chaos-tenant-{self.tenant}"
+
+    def next_messages(self) -> list[dict[str, Any]]:
+        if self.turns == 0:
+            return [*self.history, first_turn(self.id)[1]]
+        return [*self.history, {"role": "user", "content": question(self.turns + 1)}]
+
+
+@dataclass
+class FaultRecord:
+    fault: str
+    at_s: float
+    down_s: float
+    in_flight: int
+
+
+@dataclass
+class ProbeRecord:
+    conversation: int
+    cache_state: str
+    cache_n: int
+    allowed: int
+    crossed: bool
+
+
+@dataclass
+class FinalRecord:
+    conversation: int
+    wire: str
+    cache_state: str
+    restored_tokens: int
+    proxied: str | None
+    direct: str | None
+    # Where the answers part, the margin of the server's own top two if within TIE_NATS.
+    tie: float | None = None
+
+    @property
+    def same(self) -> bool:
+        return self.proxied is not None and self.proxied == self.direct
+
+
+@dataclass
+class ChaosResult:
+    options: dict[str, Any]
+    tally: Tally = field(default_factory=Tally)
+    faults: list[FaultRecord] = field(default_factory=list)
+    probes: list[ProbeRecord] = field(default_factory=list)
+    final: list[FinalRecord] = field(default_factory=list)
+    audit: Audit = field(default_factory=Audit)
+    proxy_stats: dict[str, Any] = field(default_factory=dict)
+    details: list[str] = field(default_factory=list)  # what the broken requests said
+    wall_s: float = 0.0
+
+    def verdict(self) -> Verdict:
+        compared = [f for f in self.final if f.proxied is not None and f.direct is not None]
+        return Verdict(
+            kvproxy_500s=self.tally.total(Outcome.KVPROXY_500),
+            stuck=self.tally.total(Outcome.STUCK),
+            invalid_entries=len(self.audit.invalid),
+            answers_differing=sum(not f.same and f.tie is None for f in compared),
+            cross_tenant_reads=sum(p.crossed for p in self.probes),
+            faults_injected=len(self.faults),
+            faults_wanted=int(self.options["faults"]),
+            restored_checked=sum(f.cache_state == "restored" for f in compared),
+            probes=len(self.probes),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "options": self.options,
+            "requests": [
+                {"kind": k, "outcome": o, "count": n} for (k, o), n in self.tally.counts.items()
+            ],
+            "faults": [asdict(f) for f in self.faults],
+            "probes": [asdict(p) for p in self.probes],
+            "final": [{**asdict(f), "same": f.same} for f in self.final],
+            "audit": asdict(self.audit),
+            "proxy_stats": self.proxy_stats,
+            "violations": self.verdict().violations(),
+            "wall_s": self.wall_s,
+        }
+
+
+class SidecarProxy(ProxyArm):
+    """`kvproxy serve --upstream URL` on a fixed port and cache dir, so that a restart after a
+    SIGKILL is the same proxy to its clients and finds what the killed one left on disk."""
+
+    def __init__(self, env: BenchEnv, rig: Rig, opts: ChaosOptions) -> None:
+        super().__init__(env, opts.slots, opts.ctx_per_slot, list(opts.proxy_args))
+        self.rig = rig
+        self.cache_dir = rig.cache_dir
+        self.log_path = env.workdir / "kvproxy.log"
+        self.proc.log_path = self.log_path
+
+    def command(self, port: int) -> list[str]:
+        # Sidecar mode: the server is the rig's, killed and restarted on its own.
+        return [
+            sys.executable,
+            "-m",
+            "kvproxy.cli",
+            "serve",
+            "--upstream",
+            self.rig.server_url,
+            "--cache-dir",
+            str(self.cache_dir),
+            "--port",
+            str(port),
+            *self.proxy_args,
+        ]
+
+    async def start(self) -> None:
+        await self.proc.start(self.command(self.rig.proxy_port))
+        self.url = f"http://127.0.0.1:{self.rig.proxy_port}"
+        await self._wait_ready()
+
+
+class Rig:
+    """The two processes, each killed and started again on the same port and cache dir."""
+
+    def __init__(self, env: BenchEnv, opts: ChaosOptions) -> None:
+        self.env = env
+        self.opts = opts
+        self.cache_dir = env.new_dir("chaos-cache")
+        self.server_port = free_port()
+        self.proxy_port = free_port(avoid=self.server_port)
+        self.server_url = f"http://127.0.0.1:{self.server_port}"
+        self.server: ManagedServer | None = None
+        self.proxy = SidecarProxy(env, self, opts)
+        self.proxy_up = asyncio.Event()  # kvproxy answers
+        self.all_up = asyncio.Event()  # and so does the server behind it
+
+    async def start_server(self) -> None:
+        cmd = server_command(
+            self.env.binary,
+            self.env.model,
+            self.server_port,
+            self.cache_dir,
+            self.opts.slots,
+            self.opts.ctx_per_slot,
+            None,
+            [*self.env.common_flags(), "--cache-ram", "0"],
+        )
+        self.server = ManagedServer(cmd, self.server_port, log_path=self.env.workdir / "server.log")
+        await self.server.start(self.env.start_timeout)
+
+    async def kill_server(self) -> None:
+        proc = self.server.process if self.server is not None else None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.cache_dir.mkdir, 0o700, True, True)
+        await self.start_server()
+        await self.proxy.start()
+        self.proxy_up.set()
+        self.all_up.set()
+
+    async def inject(self, fault: Fault) -> None:
+        """Kill one process with SIGKILL and start it again; returns once both serve."""
+        self.all_up.clear()
+        if fault is Fault.KILL_PROXY:
+            self.proxy_up.clear()
+            await self.proxy.proc.kill()
+            await self.proxy.start()
+            self.proxy_up.set()
+        else:
+            await self.kill_server()
+            await self.start_server()
+            await self.proxy._wait_ready()
+        self.all_up.set()
+
+    async def stop(self) -> None:
+        await self.proxy.stop()
+        if self.server is not None:
+            await self.server.stop()
+
+
+class Chaos:
+    def __init__(self, env: BenchEnv, opts: ChaosOptions) -> None:
+        self.env = env
+        self.opts = opts
+        self.rig = Rig(env, opts)
+        self.result = ChaosResult(options=asdict(opts))
+        self.convos = [
+            Convo(1000 + c, c % opts.tenants, wire_of(c), first_turn(1000 + c, opts.n_facts)[:1])
+            for c in range(opts.conversations)
+        ]
+        self.first_tokens: dict[int, list[int]] = {}
+        self.probe_keys = 0
+        self.ended = 0
+        self.in_flight = 0
+        self.progressed = asyncio.Event()
+        self.faults_done = False
+        self.started = 0.0
+        self.session: aiohttp.ClientSession | None = None
+
+    # --- the run
+
+    async def run(self) -> ChaosResult:
+        self.started = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            self.session = session
+            try:
+                await self.rig.start()
+                await self._first_tokens()
+                workers = [asyncio.create_task(self._worker(w)) for w in range(self.opts.clients)]
+                try:
+                    await self._inject_faults()
+                    self.faults_done = True
+                    await asyncio.gather(*workers)
+                finally:
+                    for w in workers:
+                        w.cancel()
+                    await asyncio.gather(*workers, return_exceptions=True)
+                progress(f"chaos: workload done, {self.ended} requests; final turns")
+                self.result.proxy_stats = await self.rig.proxy.stats()
+                await self._final_turns()
+                await self.rig.proxy.stop()
+                self.result.audit = await asyncio.to_thread(audit, self.rig.cache_dir)
+                await self._direct_answers()
+            finally:
+                self.faults_done = True
+                await self.rig.stop()
+        self.result.wall_s = time.monotonic() - self.started
+        return self.result
+
+    def _finished(self) -> bool:
+        over = time.monotonic() - self.started > self.opts.duration
+        return over or (self.faults_done and self.ended >= self.opts.requests)
+
+    async def _inject_faults(self) -> None:
+        rng = random.Random(f"{self.opts.seed}-faults")
+        plan = fault_plan(rng, self.opts.faults)
+        for i, fault in enumerate(plan):
+            due = fault_due(i, len(plan), self.opts.requests)
+            while self.ended < due and not self._finished():
+                self.progressed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.progressed.wait(), 1.0)
+            if self._finished():
+                return
+            await asyncio.sleep(rng.uniform(0.0, 1.5))  # a random moment of what is in flight
+            at, in_flight = time.monotonic() - self.started, self.in_flight
+            progress(f"chaos: fault {i + 1}/{len(plan)}: {fault} ({in_flight} in flight)")
+            await self.rig.inject(fault)
+            down = time.monotonic() - self.started - at
+            self.result.faults.append(FaultRecord(fault.value, at, down, in_flight))
+
+    async def _worker(self, n: int) -> None:
+        rng = random.Random(f"{self.opts.seed}-client-{n}")
+        while not self._finished():
+            await self.rig.proxy_up.wait()
+            kind = side_request(rng)
+            if kind is Kind.PROBE:
+                sent = await self._probe(rng)
+            elif kind is not None:
+                sent = await self._side(kind, rng)
+            else:
+                sent = await self._turn(rng)
+            if sent is None:
+                await asyncio.sleep(0.05)  # every conversation is busy or done
+                continue
+            kind, reply = sent
+            if reply.outcome in BROKEN:
+                self.result.details.append(f"{kind}: {reply.outcome}: {reply.detail}")
+            self.result.tally.add(kind, reply.outcome)
+            self.ended += 1
+            self.progressed.set()
+            if reply.outcome not in (Outcome.OK, Outcome.HUNG_UP):
+                await self.rig.all_up.wait()  # a fault: go on once it is over
+
+    async def _request(
+        self,
+        kind: Kind,
+        wire: Wire | None,
+        path: str,
+        body: dict[str, Any] | None,
+        key: str | None,
+        url: str | None = None,
+    ) -> Sent:
+        assert self.session is not None
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        self.in_flight += 1
+        try:
+            return await send(
+                self.session,
+                (url or self.rig.proxy.url) + path,
+                kind,
+                wire,
+                body,
+                headers,
+                self.opts.stuck_after,
+            )
+        finally:
+            self.in_flight -= 1
+
+    async def _turn(self, rng: random.Random) -> tuple[Kind, Sent] | None:
+        free = [c for c in self.convos if not c.busy and c.turns < self.opts.max_turns]
+        if not free:
+            return None
+        convo = rng.choice(free)
+        kind = turn_kind(rng, convo.wire)
+        messages = convo.next_messages()
+        stream = kind in (Kind.CHAT_STREAM, Kind.HANG_UP, Kind.MESSAGES_STREAM)
+        path, body = route_body(convo.wire, messages, self.opts.max_tokens, stream)
+        convo.busy = True
+        try:
+            sent = await self._request(kind, convo.wire, path, body, convo.key)
+        finally:
+            convo.busy = False
+        if sent.outcome is Outcome.OK and sent.text is not None:
+            convo.history = [*messages, {"role": "assistant", "content": sent.text}]
+            convo.turns += 1
+        return kind, sent
+
+    async def _side(self, kind: Kind, rng: random.Random) -> tuple[Kind, Sent]:
+        if kind is Kind.METRICS:
+            return kind, await self._request(kind, None, "/metrics", None, None)
+        body = {
+            "prompt": f"The {rng.choice(('red', 'quiet', 'ancient'))} river of project",
+            "n_predict": self.opts.max_tokens,
+            "temperature": 0,
+        }
+        key = f"chaos-tenant-{rng.randrange(self.opts.tenants)}"
+        return kind, await self._request(kind, None, "/completion", body, key)
+
+    async def _probe(self, rng: random.Random) -> tuple[Kind, Sent] | None:
+        """A new tenant sends another tenant's next turn byte for byte, as chat."""
+        answered = [c for c in self.convos if c.turns > 0]
+        if not answered:
+            return None
+        convo = rng.choice(answered)
+        messages = convo.next_messages()
+        path, body = route_body(Wire.CHAT, messages, self.opts.max_tokens)
+        self.probe_keys += 1  # a key never seen before: no state of its own anywhere
+        key = f"chaos-probe-{self.probe_keys}"
+        sent = await self._request(Kind.PROBE, Wire.CHAT, path, body, key)
+        if sent.outcome is Outcome.OK:
+            allowed = await self._allowed(convo, messages)
+            if allowed is not None:
+                crossed = cross_tenant(sent.cache_state, sent.cache_n, allowed)
+                self.result.probes.append(
+                    ProbeRecord(convo.id, sent.cache_state, sent.cache_n, allowed, crossed)
+                )
+        return Kind.PROBE, sent
+
+    async def _tokens(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        """The prompt the server evaluates for `messages`, asked of the server itself."""
+        assert self.session is not None
+        for _ in range(3):
+            await self.rig.all_up.wait()
+            with contextlib.suppress(aiohttp.ClientError, OSError, KeyError):
+                return await Client(self.session).prompt_tokens(self.rig.server_url, messages)
+            await asyncio.sleep(0.5)
+        return None
+
+    async def _first_tokens(self) -> None:
+        for c in self.convos:
+            tokens = await self._tokens(c.next_messages())
+            self.first_tokens[c.id] = tokens or []
+
+    async def _allowed(self, convo: Convo, messages: list[dict[str, Any]]) -> int | None:
+        """The most of the probe's prompt any other conversation's prompt shares."""
+        tokens = await self._tokens(messages)
+        if tokens is None:
+            return None
+        return max(shared_prefix(tokens, t) for c, t in self.first_tokens.items() if c != convo.id)
+
+    # --- the end
+
+    async def _final_turns(self) -> None:
+        """Both processes restarted (kvproxy saving every slot first): every conversation's
+        next turn must come from disk."""
+        await self.rig.proxy.stop()
+        await self.rig.kill_server()
+        await self.rig.start_server()
+        await self.rig.proxy.start()
+        for convo in self.convos:
+            if convo.turns == 0:
+                continue
+            path, body = route_body(convo.wire, convo.next_messages(), self.opts.max_tokens)
+            kind = {Wire.CHAT: Kind.CHAT, Wire.MESSAGES: Kind.MESSAGES}.get(
+                convo.wire, Kind.RESPONSES
+            )
+            sent = await self._request(kind, convo.wire, path, body, convo.key)
+            self.result.final.append(
+                FinalRecord(
+                    convo.id,
+                    convo.wire.value,
+                    sent.cache_state,
+                    int(sent.headers.get("X-KVProxy-Restored-Tokens") or 0),
+                    sent.text if sent.outcome is Outcome.OK else None,
+                    None,
+                )
+            )
+
+    async def _direct_answers(self) -> None:
+        """The same turns straight to the server, from an empty slot each."""
+        assert self.session is not None
+        by_id = {c.id: c for c in self.convos}
+        for record in self.result.final:
+            convo = by_id[record.conversation]
+            for slot in range(self.opts.slots):
+                url = f"{self.rig.server_url}/slots/{slot}?action=erase"
+                async with self.session.post(url) as resp:
+                    resp.raise_for_status()
+            path, body = route_body(convo.wire, convo.next_messages(), self.opts.max_tokens)
+            sent = await self._request(
+                Kind.CHAT, convo.wire, path, body, None, url=self.rig.server_url
+            )
+            record.direct = sent.text if sent.outcome is Outcome.OK else None
+            if record.direct is not None and record.proxied is not None and not record.same:
+                record.tie = await self._tie(convo, record.proxied, record.direct)
+                self.result.details.append(
+                    f"conversation {record.conversation} ({record.wire}, {record.cache_state}): "
+                    f"kvproxy {record.proxied!r}, the server alone {record.direct!r}"
+                    + ("" if record.tie is None else f" (its top two {record.tie:.4f} nats apart)")
+                )
+
+    async def _tie(self, convo: Convo, proxied: str, direct: str) -> float | None:
+        """The server alone's top two where the answers part, from an empty slot again."""
+        assert self.session is not None
+        for slot in range(self.opts.slots):
+            async with self.session.post(f"{self.rig.server_url}/slots/{slot}?action=erase"):
+                pass
+        path, body = route_body(Wire.CHAT, convo.next_messages(), self.opts.max_tokens)
+        body |= {"logprobs": True, "top_logprobs": 2}
+        async with self.session.post(self.rig.server_url + path, json=body) as resp:
+            reply = await resp.json()
+        tokens = []
+        try:
+            for t in reply["choices"][0]["logprobs"]["content"]:
+                tops = [float(x["logprob"]) for x in t["top_logprobs"]]
+                tokens.append((bytes(t["bytes"]), tops[0], tops[1] if len(tops) > 1 else None))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+        return parts_at_a_tie(tokens, proxied, direct)
+
+
+async def run_chaos(env: BenchEnv, opts: ChaosOptions) -> ChaosResult:
+    progress(
+        f"chaos: {opts.requests}+ requests, {opts.faults} faults, {opts.clients} clients, "
+        f"{opts.tenants} tenants, {opts.conversations} conversations, seed {opts.seed}"
+    )
+    return await Chaos(env, opts).run()
+
+
+def checks(result: ChaosResult) -> list[Check]:
+    """The promises of issue #16, one line each, for the targets table and the exit code."""
+    v = result.verdict()
+    compared = [f for f in result.final if f.proxied is not None and f.direct is not None]
+    return [
+        Check(
+            f"chaos: ≥ {v.faults_wanted} faults injected",
+            str(v.faults_injected),
+            v.faults_injected >= v.faults_wanted,
+        ),
+        Check("chaos: 0 kvproxy 500s", str(v.kvproxy_500s), v.kvproxy_500s == 0),
+        Check("chaos: 0 stuck requests", str(v.stuck), v.stuck == 0),
+        Check(
+            "chaos: 0 invalid committed entries",
+            f"{v.invalid_entries} of {result.audit.committed}",
+            v.invalid_entries == 0,
+        ),
+        Check(
+            "chaos: restored conversations answer as the server alone",
+            f"{v.answers_differing} of {len(compared)} differ ({v.restored_checked} restored, "
+            f"{sum(f.tie is not None for f in compared)} parted at the server's own tie)",
+            v.answers_differing == 0 and v.restored_checked > 0,
+        ),
+        Check(
+            "chaos: 0 cross-tenant reads",
+            f"{v.cross_tenant_reads} in {v.probes} probes",
+            v.cross_tenant_reads == 0 and v.probes > 0,
+        ),
+    ]
+
+
+def markdown(result: ChaosResult) -> str:
+    by_outcome = result.tally.by_outcome()
+    outcomes = list(by_outcome)
+    rows = []
+    for kind in Kind:
+        counts = [result.tally.counts[(kind, o)] for o in outcomes]
+        if any(counts):
+            rows.append([kind.value, sum(counts), *counts])
+    rows.append(["all", result.tally.total(), *by_outcome.values()])
+    parts = [table(["requests", "total", *[o.value for o in outcomes]], rows)]
+
+    parts.append(
+        table(
+            ["#", "fault", "at (s)", "back after (s)", "requests in flight"],
+            [
+                [i + 1, f.fault, round(f.at_s, 1), round(f.down_s, 1), f.in_flight]
+                for i, f in enumerate(result.faults)
+            ],
+        )
+    )
+    a = result.audit
+    parts.append(
+        table(
+            ["cache dir", "committed", "valid", "invalid", "orphaned files", "state MiB"],
+            [
+                [
+                    "after the run",
+                    a.committed,
+                    a.valid,
+                    len(a.invalid),
+                    len(a.orphaned),
+                    round(a.state_bytes / 1024**2, 1),
+                ]
+            ],
+        )
+    )
+    compared = [f for f in result.final if f.proxied is not None and f.direct is not None]
+    restored = [f for f in compared if f.cache_state == "restored"]
+    parts.append(
+        table(
+            [
+                "after a restart of both",
+                "conversations",
+                "restored",
+                "same answer as the server alone",
+                "parted at the server's own tie",
+            ],
+            [
+                [
+                    "next turn",
+                    len(result.final),
+                    len(restored),
+                    f"{sum(f.same for f in compared)} of {len(compared)}",
+                    sum(not f.same and f.tie is not None for f in compared),
+                ]
+            ],
+        )
+    )
+    parts.append(
+        table(
+            ["cross-tenant probes", "probes", "called a hit", "max cache_n − allowed", "reads"],
+            [
+                [
+                    "byte-identical, another key",
+                    len(result.probes),
+                    sum(p.cache_state in ("resident", "restored") for p in result.probes),
+                    max((p.cache_n - p.allowed for p in result.probes), default=None),
+                    sum(p.crossed for p in result.probes),
+                ]
+            ],
+        )
+    )
+    v = result.verdict()
+    st = result.proxy_stats
+    parts.append(
+        f"kvproxy's counters before the final restart: {st.get('saves', 0)} saves, "
+        f"{st.get('restores', 0)} restores, {st.get('restore_failures', 0)} restore failures. "
+        f"Wall time {result.wall_s:.0f} s."
+    )
+    violations = v.violations()
+    parts.append(
+        "**Every promise held.**" if not violations else "**Broken:** " + "; ".join(violations)
+    )
+    if result.details:
+        parts.append("\n".join(f"- {d}" for d in result.details[:20]))
+    return "\n\n".join(parts)

@@ -1,0 +1,184 @@
+"""`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents and canonical
+(not in `all`). The flags are defined in kvproxy/cli_bench.py (parsing them imports nothing
+from here); `run` gets them.
+
+Every run prints its command line, the machine, the llama-server build and the model, then a
+table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
+the plots under `DIR/img/`, and the raw results as `DIR/benchmarks.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shlex
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvproxy_bench import agents, load, overhead, restore, targets, workload
+from kvproxy_bench.arms import ARM_FLAGS, BenchEnv
+from kvproxy_bench.report import header, header_lines, progress, write_json
+
+SCENARIOS = ("workload", "restore", "overhead", "load")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname).1s %(name)s: %(message)s")
+    # The direct arms' llama-server lines would drown the tables (kvproxy's own arm logs to a
+    # file in the work dir). Restored afterwards: `run` may be called in-process (tests).
+    server_log = logging.getLogger("llama-server")
+    propagate = server_log.propagate
+    server_log.propagate = False
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 130
+    except asyncio.CancelledError:  # SIGTERM or SIGHUP: every arm was stopped on the way out
+        return 143
+    finally:
+        server_log.propagate = propagate
+
+
+def _sizes(args: argparse.Namespace) -> tuple[int, ...]:
+    if getattr(args, "sizes", None):
+        return tuple(int(s) for s in args.sizes.split(","))
+    sizes, size = [], 1024
+    while size <= args.max_ctx:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes)
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The scenario flags among `names` that were given: the others keep their defaults."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def arms_of(text: str) -> tuple[str, ...]:
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ARM_FLAGS]
+    if unknown:
+        raise SystemExit(f"kvproxy bench: unknown arm(s) {unknown}; known: {list(ARM_FLAGS)}")
+    return tuple(ARM_FLAGS[a] for a in names)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    # The arms' processes run in sessions of their own (so a kill of an arm reaches what it
+    # started): a bench ended by a signal must stop them itself, as its Ctrl-C path does.
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    assert main is not None
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, main.cancel)
+    workdir = args.workdir or Path(await asyncio.to_thread(tempfile.mkdtemp, "", "kvproxy-bench-"))
+    await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
+    env = await asyncio.to_thread(
+        BenchEnv.create, workdir, args.model, args.server_bin, args.threads, args.server_args
+    )
+    argv = ["kvproxy", *args.argv]
+    head = await asyncio.to_thread(header, env, argv[1:])
+    head["command"] = shlex.join(argv)
+    print("\n".join(header_lines(head)) + "\n", flush=True)
+
+    chosen = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    results: dict[str, Any] = {}
+    checks: list[targets.Check] = []
+    try:
+        for name in chosen:
+            if name == "workload":
+                wopts = workload.WorkloadOptions(restart=True)
+                if args.scenario == "workload":
+                    given = _given(
+                        args, "conversations", "turns", "slots", "prompt_tokens", "max_tokens"
+                    )
+                    wopts = workload.WorkloadOptions(**given, restart=args.restart)
+                    if args.arms is not None:
+                        wopts.arms = arms_of(args.arms)
+                res: Any = await workload.run_workload(env, wopts)
+                text = workload.markdown(res)
+                checks += targets.workload_checks(res)
+            elif name == "restore":
+                ropts = restore.RestoreOptions(sizes=_sizes(args))
+                if args.scenario == "restore" and args.repeats is not None:
+                    ropts.repeats = args.repeats
+                res = await restore.run_restore(env, ropts)
+                text = restore.markdown(res)
+                checks += targets.restore_checks(res)
+            elif name == "overhead":
+                oopts = overhead.OverheadOptions()
+                if args.scenario == "overhead":
+                    oopts = overhead.OverheadOptions(**_given(args, "requests", "sse_events"))
+                res = await overhead.run_overhead(env, oopts)
+                text = overhead.markdown(res)
+                checks += targets.overhead_checks(res)
+            elif name == "chaos":
+                from kvproxy_bench import chaos
+
+                flags = ("seed", "requests", "faults", "duration", "clients", "tenants")
+                copts = chaos.ChaosOptions(**_given(args, *flags, "conversations"))
+                res = await chaos.run_chaos(env, copts)
+                text = chaos.markdown(res)
+                checks += chaos.checks(res)
+            elif name == "canonical":
+                from kvproxy_bench import canonical_cost as canonical
+
+                kopts = canonical.CanonicalOptions(**_given(args, "repeats"))
+                if args.sizes:
+                    kopts.sizes = _sizes(args)
+                res = await canonical.run_canonical(env, kopts)
+                text = canonical.markdown(res)
+            elif name == "agents":
+                aopts = agents.options(_given(args, "max_output", "ctx_per_slot"), args.clients)
+                aopts.install = args.install
+                if args.arms is not None:
+                    aopts.arms = arms_of(args.arms)
+                res = await agents.run_agents(env, aopts)
+                text = agents.markdown(res)
+                checks += agents.checks(res)
+            else:
+                lopts = load.LoadOptions()
+                if args.scenario == "load":
+                    lopts = load.LoadOptions(
+                        **_given(args, "clients", "conversations", "slots", "turns")
+                    )
+                    if args.arms is not None:
+                        lopts.arms = arms_of(args.arms)
+                res = await load.run_load(env, lopts)
+                text = load.markdown(res)
+                checks += targets.load_checks(res)
+            results[name] = res
+            print(f"## {name}\n\n{text}\n", flush=True)
+        print("## targets\n\n" + targets.checks_markdown(checks) + "\n")
+        if len(results) > 1:
+            print("## summary\n\n" + targets.summary_table(results) + "\n")
+        if args.out is not None:
+            await asyncio.to_thread(write_outputs, args.out, head, results)
+            progress(f"wrote {args.out / 'benchmarks.md'}")
+    finally:
+        if not args.keep:
+            await asyncio.to_thread(shutil.rmtree, workdir, True)
+        else:
+            progress(f"work dir kept: {workdir}")
+    # chaos proves promises: any broken one is a failed command.
+    return 1 if args.scenario == "chaos" and any(c.met is False for c in checks) else 0
+
+
+def write_outputs(out: Path, head: dict[str, Any], results: dict[str, Any]) -> None:
+    from kvproxy_bench.document import document
+
+    out.mkdir(parents=True, exist_ok=True)
+    images: dict[str, str] = {}
+    if "workload" in results:
+        workload.plot(results["workload"], out / "img" / "workload.png")
+        images["workload"] = "img/workload.png"
+    if "restore" in results:
+        restore.plot(results["restore"], out / "img" / "restore.png")
+        images["restore"] = "img/restore.png"
+    (out / "benchmarks.md").write_text(document(head, results, images), encoding="utf-8")
+    write_json(
+        out / "benchmarks.json",
+        {"header": head, **{name: r.to_json() for name, r in results.items()}},
+    )

@@ -1,0 +1,320 @@
+"""`overhead`: kvproxy's own cost against the direct path, on the fake llama-server
+(`kvproxy.testing.fakeserver`, no prompt or token delays: it answers at once), in two modes:
+cache on (the fake answers `/slots`, so every chat request is keyed, pinned and its slot
+checked with `GET /slots`) and pass-through (`--no-slots`: `/slots` answers 501, as a server
+without slots would: kvproxy relays uncached). Slot save/restore answer 501 (no
+`--slot-save-path`): these runs never touch the disk.
+
+The fake server and kvproxy run as separate processes; the client is this process. The same
+client sends every request, alternating direct and proxied, one at a time, so its own cost
+and the machine's drift fall on both paths equally: added latency = proxied − direct, at the
+same percentile.
+
+- small non-streamed chat requests: latency p50/p99, direct and proxied;
+- SSE relay: one streamed reply of `sse_events` events, events per second at the client;
+- time to first byte of a streamed reply;
+- the time to key a 1 MB, 500-message conversation in-process: JSON parsing, namespace and
+  the chained hashes over every message (what kvproxy does per chat request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kvproxy import keys as keymod
+from kvproxy.server.managed import free_port
+from kvproxy_bench.arms import BenchEnv
+from kvproxy_bench.process import LoggedProcess
+from kvproxy_bench.report import progress, table
+
+CACHE_ON = "cache on"
+PASS_THROUGH = "pass-through"
+JSON_HEADERS = {"Content-Type": "application/json"}
+FAKE_MIN_CTX = 4096  # the fake's context per slot, unless a stream needs more
+
+
+@dataclass
+class OverheadOptions:
+    requests: int = 2000  # small non-streamed requests per path and mode
+    sse_events: int = 20000
+    sse_runs: int = 3
+    ttfb_requests: int = 300
+    key_bytes: int = 1_000_000
+    key_messages: int = 500
+    key_runs: int = 30
+    modes: tuple[str, ...] = (CACHE_ON, PASS_THROUGH)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    direct_ms: list[float] = field(default_factory=list)
+    proxied_ms: list[float] = field(default_factory=list)
+    sse_direct_eps: float = 0.0
+    sse_proxied_eps: float = 0.0
+    ttfb_direct_ms: list[float] = field(default_factory=list)
+    ttfb_proxied_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def summary(self) -> dict[str, float]:
+        d, p = self.direct_ms, self.proxied_ms
+        td, tp = self.ttfb_direct_ms, self.ttfb_proxied_ms
+        return {
+            "direct_p50_ms": percentile(d, 50),
+            "direct_p99_ms": percentile(d, 99),
+            "proxied_p50_ms": percentile(p, 50),
+            "proxied_p99_ms": percentile(p, 99),
+            "added_p50_ms": percentile(p, 50) - percentile(d, 50),
+            "added_p99_ms": percentile(p, 99) - percentile(d, 99),
+            "sse_direct_eps": self.sse_direct_eps,
+            "sse_proxied_eps": self.sse_proxied_eps,
+            "ttfb_direct_p50_ms": percentile(td, 50),
+            "ttfb_proxied_p50_ms": percentile(tp, 50),
+            "ttfb_added_p50_ms": percentile(tp, 50) - percentile(td, 50),
+        }
+
+
+@dataclass
+class OverheadResult:
+    options: dict[str, Any]
+    modes: list[ModeResult] = field(default_factory=list)
+    key_ms: list[float] = field(default_factory=list)
+    key_body_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "options": self.options,
+            "modes": {m.mode: {**m.summary(), "errors": m.errors} for m in self.modes},
+            "key_ms_median": statistics.median(self.key_ms) if self.key_ms else None,
+            "key_ms_max": max(self.key_ms, default=None),
+            "key_body_bytes": self.key_body_bytes,
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def _wait_up(session: aiohttp.ClientSession, url: str, proc: LoggedProcess) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.exited is not None:
+            raise RuntimeError(f"a helper process exited ({proc.exited}); see {proc.log_path}")
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with session.get(url) as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up; see {proc.log_path}")
+
+
+async def run_overhead(env: BenchEnv, opts: OverheadOptions) -> OverheadResult:
+    result = OverheadResult(options=asdict(opts))
+    for mode in opts.modes:
+        progress(f"overhead: {mode}")
+        result.modes.append(await _run_mode(env, opts, mode))
+    progress("overhead: keys for a 1 MB conversation")
+    result.key_body_bytes, result.key_ms = await asyncio.to_thread(time_keys, opts)
+    return result
+
+
+async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResult:
+    workdir = env.new_dir(f"overhead-{mode.replace(' ', '-')}")
+    await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
+    fake_port, proxy_port = free_port(), free_port()
+    fake_command = [
+        sys.executable,
+        "-m",
+        "kvproxy_fake.server",
+        "--port",
+        str(fake_port),
+        # Streams of exactly `sse_events` tokens: no EOS, and room for them in the context.
+        "--ignore-eos",
+        "--ctx-size",
+        str(max(FAKE_MIN_CTX, opts.sse_events + 1024)),
+        "--slots" if mode == CACHE_ON else "--no-slots",
+    ]
+    fake = LoggedProcess(workdir / "fake.log")
+    direct = f"http://127.0.0.1:{fake_port}"
+    proxy_command = [
+        sys.executable,
+        "-m",
+        "kvproxy.cli",
+        "serve",
+        "--upstream",
+        direct,
+        "--port",
+        str(proxy_port),
+        "--cache-dir",
+        str(workdir / "cache"),
+    ]
+    proxy = LoggedProcess(workdir / "kvproxy.log")
+    proxied = f"http://127.0.0.1:{proxy_port}"
+    out = ModeResult(mode)
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+    try:
+        await fake.start(fake_command)
+        await _wait_up(session, direct + "/health", fake)
+        await proxy.start(proxy_command)
+        await _wait_up(session, proxied + "/kvproxy/stats", proxy)
+        body = orjson.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "You are a benchmark."},
+                    {"role": "user", "content": "Say ok."},
+                ],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        )
+        for _ in range(50):  # warm up connections, caches and the proxy's code paths
+            await _small(session, direct, body, out)
+            await _small(session, proxied, body, out)
+        out.errors = 0
+        for _ in range(opts.requests):
+            out.direct_ms.append(await _small(session, direct, body, out))
+            out.proxied_ms.append(await _small(session, proxied, body, out))
+        progress(
+            f"  small requests: direct p50 {percentile(out.direct_ms, 50):.2f} ms, "
+            f"proxied p50 {percentile(out.proxied_ms, 50):.2f} ms"
+        )
+        direct_eps, proxied_eps = [], []
+        for _ in range(opts.sse_runs):
+            direct_eps.append(await _sse_rate(session, direct, opts.sse_events, out))
+            proxied_eps.append(await _sse_rate(session, proxied, opts.sse_events, out))
+        out.sse_direct_eps = statistics.median(direct_eps)
+        out.sse_proxied_eps = statistics.median(proxied_eps)
+        progress(f"  SSE: direct {out.sse_direct_eps:,.0f}/s, proxied {out.sse_proxied_eps:,.0f}/s")
+        for _ in range(opts.ttfb_requests):
+            out.ttfb_direct_ms.append(await _ttfb(session, direct, out))
+            out.ttfb_proxied_ms.append(await _ttfb(session, proxied, out))
+    finally:
+        await session.close()
+        await proxy.stop(grace=30)
+        await fake.stop(grace=30)
+    return out
+
+
+async def _small(session: aiohttp.ClientSession, base: str, body: bytes, out: ModeResult) -> float:
+    started = time.perf_counter()
+    async with session.post(base + "/v1/chat/completions", data=body, headers=JSON_HEADERS) as r:
+        await r.read()
+        if r.status != 200:
+            out.errors += 1
+    return (time.perf_counter() - started) * 1000
+
+
+def _stream_body(n: int) -> bytes:
+    return orjson.dumps(
+        {"messages": [{"role": "user", "content": "Stream."}], "max_tokens": n, "stream": True}
+    )
+
+
+async def _sse_rate(
+    session: aiohttp.ClientSession, base: str, n_events: int, out: ModeResult
+) -> float:
+    body = _stream_body(n_events)
+    events = 0
+    tail = b""
+    started = time.perf_counter()
+    async with session.post(base + "/v1/chat/completions", data=body, headers=JSON_HEADERS) as r:
+        async for chunk in r.content.iter_any():
+            # An event ends with a blank line; the separator may straddle two chunks.
+            events += (tail + chunk).count(b"\n\n") - tail.count(b"\n\n")
+            tail = chunk[-1:]
+        if r.status != 200:
+            out.errors += 1
+    seconds = time.perf_counter() - started
+    return events / seconds
+
+
+async def _ttfb(session: aiohttp.ClientSession, base: str, out: ModeResult) -> float:
+    body = _stream_body(4)
+    started = time.perf_counter()
+    async with session.post(base + "/v1/chat/completions", data=body, headers=JSON_HEADERS) as r:
+        await r.content.readany()
+        first = time.perf_counter() - started
+        await r.read()
+        if r.status != 200:
+            out.errors += 1
+    return first * 1000
+
+
+def conversation_body(total_bytes: int, n_messages: int) -> bytes:
+    """A chat request of about `total_bytes` with `n_messages` alternating messages."""
+    rng = random.Random(5)
+    words = ["kv", "cache", "slot", "token", "prefill", "restore", "proxy", "server", "llama"]
+    per = max(1, total_bytes // n_messages)
+    messages = []
+    for i in range(n_messages):
+        text = ""
+        while len(text) < per:
+            text += rng.choice(words) + " "
+        role = "system" if i == 0 else ("user" if i % 2 else "assistant")
+        messages.append({"role": role, "content": text[:per]})
+    return orjson.dumps({"messages": messages, "max_tokens": 16, "temperature": 0})
+
+
+def time_keys(opts: OverheadOptions) -> tuple[int, list[float]]:
+    """What kvproxy computes per chat request before it picks a slot, timed in-process."""
+    body = conversation_body(opts.key_bytes, opts.key_messages)
+    times = []
+    for _ in range(opts.key_runs):
+        started = time.perf_counter()
+        payload = orjson.loads(body)
+        ns = keymod.namespace("bench-model", payload, None)
+        keymod.chain(ns, payload["messages"])
+        times.append((time.perf_counter() - started) * 1000)
+    return len(body), times
+
+
+def markdown(result: OverheadResult) -> str:
+    rows = []
+    for m in result.modes:
+        s = m.summary()
+        rows.append(
+            [
+                m.mode,
+                f"{s['direct_p50_ms']:.2f} / {s['direct_p99_ms']:.2f}",
+                f"{s['proxied_p50_ms']:.2f} / {s['proxied_p99_ms']:.2f}",
+                f"{s['added_p50_ms']:.2f} / {s['added_p99_ms']:.2f}",
+                f"{s['sse_direct_eps']:,.0f}",
+                f"{s['sse_proxied_eps']:,.0f}",
+                f"{s['ttfb_direct_p50_ms']:.2f}",
+                f"{s['ttfb_proxied_p50_ms']:.2f}",
+                m.errors,
+            ]
+        )
+    cols = [
+        "mode",
+        "direct p50 / p99 (ms)",
+        "proxied p50 / p99 (ms)",
+        "added p50 / p99 (ms)",
+        "SSE direct (events/s)",
+        "SSE proxied (events/s)",
+        "TTFB direct p50 (ms)",
+        "TTFB proxied p50 (ms)",
+        "errors",
+    ]
+    keys = ""
+    if result.key_ms:
+        keys = (
+            f"\n\nKeys for a {result.key_body_bytes / 1e6:.2f} MB, "
+            f"{result.options['key_messages']}-message conversation (JSON parsing included): "
+            f"median {statistics.median(result.key_ms):.2f} ms, max {max(result.key_ms):.2f} ms "
+            f"over {len(result.key_ms)} runs."
+        )
+    return table(cols, rows) + keys

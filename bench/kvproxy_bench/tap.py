@@ -1,0 +1,94 @@
+"""A recording pass-through in front of an arm: the agent talks to it, it forwards every
+request unchanged and relays the reply as it streams, and it keeps each completion request's
+body and reply bytes. The same layer sits in front of kvproxy and in front of llama-server
+alone, so both arms are read the same way (the server's own numbers, from its replies)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from kvproxy.http.relay import send
+from kvproxy.server.managed import free_port
+
+# The routes whose requests are conversations (what the benchmark measures).
+RECORDED = frozenset(
+    {
+        "/v1/chat/completions",
+        "/chat/completions",
+        "/v1/responses",
+        "/responses",
+        "/v1/messages",
+    }
+)
+# Hop-by-hop and framing headers: aiohttp writes its own.
+_DROP = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+
+
+@dataclass
+class Exchange:
+    """One recorded request and what came back."""
+
+    path: str
+    body: bytes
+    status: int
+    headers: dict[str, str]
+    reply: bytes
+
+
+@dataclass
+class Tap:
+    upstream: str = ""
+    url: str = ""
+    exchanges: list[Exchange] = field(default_factory=list)
+    _runner: web.AppRunner | None = None
+    _session: aiohttp.ClientSession | None = None
+
+    def take(self) -> list[Exchange]:
+        out, self.exchanges = self.exchanges, []
+        return out
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        app = web.Application(client_max_size=1 << 28)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+        # The upstream changes on a restart: read it per request.
+        url = self.upstream + request.path_qs
+        async with self._session.request(request.method, url, data=body, headers=headers) as r:
+            resp = web.StreamResponse(status=r.status)
+            for name, value in r.headers.items():
+                if name.lower() not in _DROP and name.lower() != "content-encoding":
+                    resp.headers[name] = value
+            await resp.prepare(request)
+            raw = bytearray()
+            gone = False
+            async for chunk in r.content.iter_any():
+                raw += chunk
+                gone = gone or not await send(resp, chunk)
+            if not gone:
+                await send(resp, b"", eof=True)
+        if request.method == "POST" and request.path in RECORDED:
+            self.exchanges.append(
+                Exchange(request.path, body, r.status, dict(r.headers), bytes(raw))
+            )
+        return resp

@@ -1,0 +1,152 @@
+"""One llama-server: its client, its slot pool, and the identity of the model it serves.
+
+Discovery asks the server what it is (GET /props) and whether slots can be pinned
+(GET /slots). A server whose model or slot count changed invalidates everything kvproxy
+knew about its slots; one that refuses GET /slots is served uncached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from kvproxy.cache.slots import SlotPool
+from kvproxy.config import Settings
+from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.server.api import LlamaClient
+from kvproxy.server.modelinfo import ModelInfo, read_model_info
+
+log = logging.getLogger("kvproxy.cache")
+
+# Routes the server serves on slots it picks itself (they ignore `id_slot`), each with the
+# route that probes whether the server serves that kind at all. An embedding or rerank task
+# takes a slot and replaces its cached prompt (server-context.cpp: stateless tasks start from
+# n_past 0), a transcription is a completion: served, they hold every slot (unkeyed.py). A
+# server not started for them (no --embeddings, --reranking, audio model) answers 501 at
+# once without a task: then they pass straight through, never queued behind every slot.
+# Probed when such a request comes, at most every PROPS_CHECK_INTERVAL.
+SLOT_PICKING_ROUTES = {
+    "/embedding": "/embeddings",
+    "/embeddings": "/embeddings",
+    "/v1/embeddings": "/embeddings",
+    "/rerank": "/rerank",
+    "/reranking": "/rerank",
+    "/v1/rerank": "/rerank",
+    "/v1/reranking": "/rerank",
+    "/audio/transcriptions": "/v1/audio/transcriptions",
+    "/v1/audio/transcriptions": "/v1/audio/transcriptions",
+}
+# Statuses of a request the server refused without a slot.
+REFUSED_STATUSES = frozenset({404, 501})
+
+# How often a running proxy checks that the server is still the one it knows.
+PROPS_CHECK_INTERVAL = 15.0
+# While the server refuses GET /slots (caching off), how often a request may look again.
+REDISCOVER_INTERVAL = 1.0
+
+
+class Backend:
+    def __init__(self, upstream: Upstream, settings: Settings) -> None:
+        self.upstream = upstream
+        self.client = LlamaClient(upstream)
+        self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
+        self.enabled = False  # slot pinning works (GET /slots answered)
+        self.disk_enabled = True  # slot save/restore works (--slot-save-path set)
+        # The cache dir is open (the cache sets it false while it opens): until then nothing
+        # discovers the server, so requests pass through uncached.
+        self.store_open = True
+        self.model_identity = ""
+        self.model_info: ModelInfo | None = None
+        self._last_props_check = 0.0
+        # Probe route (SLOT_PICKING_ROUTES) -> (the server refuses it, when that was seen).
+        self._refusals: dict[str, tuple[bool, float]] = {}
+        # When a server that answered /props last refused GET /slots: requests then look again
+        # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
+        self._no_slots_seen = 0.0
+
+    @property
+    def model_class(self) -> str:
+        return self.model_info.model_class if self.model_info else "unknown"
+
+    def props_check_due(self) -> bool:
+        return time.monotonic() - self._last_props_check > PROPS_CHECK_INTERVAL
+
+    async def rediscover_if_off(self) -> None:
+        """Called per request while caching is off: a server that came up is used at once."""
+        if not self.store_open:
+            return
+        if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
+            try:
+                await self.discover()
+            except UpstreamError:
+                pass
+
+    async def discover(self) -> None:
+        # Every attempt counts as the check, failed ones too: housekeeping's 15 s work (the
+        # props check, noticing removals) must not run every second while the server is down.
+        self._last_props_check = time.monotonic()
+        props = await self.client.props()
+        identity = await asyncio.to_thread(model_identity, props)
+        try:
+            slots = await self.client.slots()
+        except UpstreamError as exc:
+            if self.enabled or self.model_identity != identity:
+                log.warning("GET /slots failed (%s): caching is off, requests pass through", exc)
+            self._no_slots_seen = time.monotonic()
+            self.enabled = False
+            self.model_identity = identity
+            return
+        if identity != self.model_identity or len(slots) != len(self.pool.slots):
+            if self.model_identity:
+                log.info("llama-server changed (model or slots): forgetting what slots held")
+            self.pool.resize(len(slots))
+            self.pool.forget_all()
+            self._refusals.clear()
+            self.model_identity = identity
+            self.model_info = await asyncio.to_thread(
+                read_model_info, str(props.get("model_path") or "")
+            )
+        self.pool.seen_empty(slots)
+        if not self.enabled:
+            info = self.model_info
+            log.info(
+                "llama-server has %d slots; model %s (%s%s)",
+                len(slots),
+                props.get("model_path"),
+                self.model_class,
+                ": restores need --swa-full" if info and info.has_swa else "",
+            )
+        self.enabled = True
+        self._last_props_check = time.monotonic()
+
+    async def refuses(self, path: str) -> bool:
+        """Whether the server answers `path` without a slot (see SLOT_PICKING_ROUTES)."""
+        probe = SLOT_PICKING_ROUTES.get(path)
+        if probe is None:
+            return False
+        known = self._refusals.get(probe)
+        if known is None or time.monotonic() - known[1] > PROPS_CHECK_INTERVAL:
+            known = (await self.client.refuses(probe), time.monotonic())
+            self._refusals[probe] = known
+        return known[0]
+
+    def served(self, path: str) -> None:
+        """The server served `path` after all (restarted for it since it was probed)."""
+        probe = SLOT_PICKING_ROUTES.get(path)
+        if probe is not None:
+            self._refusals[probe] = (False, time.monotonic())
+
+
+def model_identity(props: dict[str, Any]) -> str:
+    """Which model and KV layout produced a state: states of another never match."""
+    path = str(props.get("model_path", ""))
+    parts = [path, str((props.get("default_generation_settings") or {}).get("n_ctx", ""))]
+    try:
+        st = os.stat(path)
+        parts += [str(st.st_size), str(int(st.st_mtime))]
+    except OSError:
+        pass
+    return "|".join(parts)

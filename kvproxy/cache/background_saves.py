@@ -1,0 +1,109 @@
+"""Background saves: idle slots saved before a request needs them (the policy and why are in
+pressure.py), and the idle save after `idle_save_after`.
+
+Runs on the event loop, one save at a time, started whenever a slot becomes idle, a new
+conversation is seen, or housekeeping ticks. A save takes its slot from the pool like a
+request does (so nothing else touches the slot meanwhile), but never while a request waits
+for a slot, and gives it back without making it look recently used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+from kvproxy.cache.leases import Background
+from kvproxy.cache.pressure import IdleView, LiveConversations, next_background_save
+from kvproxy.cache.slotio import SlotWork
+from kvproxy.cache.slots import Slot, SlotPool
+from kvproxy.http.session import UpstreamError
+
+log = logging.getLogger("kvproxy.cache")
+
+
+class Warmer:
+    def __init__(
+        self,
+        pool: SlotPool,
+        work: SlotWork,
+        background: Background,
+        live_window: float,
+        idle_save_after: float,
+    ) -> None:
+        self.pool = pool
+        self.work = work
+        self.background = background
+        self.live = LiveConversations(live_window)
+        self.idle_save_after = idle_save_after
+        self.enabled = False  # set once the cache serves (and cleared when it stops)
+        self._running: asyncio.Future[None] | None = None
+        # Holdings whose save failed: not tried again in the background (a request's own
+        # eviction still tries), else a failing disk would be retried in a tight loop.
+        self._failed: set[str] = set()
+        pool.on_release = self.kick
+
+    def recall(self, used: Iterable[tuple[str, float]]) -> None:
+        """At start-up: the conversations on disk used within the live window (key, last
+        used by the wall clock) are live."""
+        if self.live.window <= 0:
+            return
+        wall, mono = time.time(), time.monotonic()
+        self.live.recall([(key, mono - (wall - last)) for key, last in used], mono)
+
+    def seen(self, keys: list[str]) -> None:
+        """A keyed request came; a conversation not live before may start the pressure."""
+        if self.live.window > 0 and self.live.seen(keys, time.monotonic()):
+            self.kick()
+
+    def kick(self) -> None:
+        """Look for a slot to save, unless a look is already under way."""
+        if self.enabled and (self._running is None or self._running.done()):
+            if self._choose() is not None:
+                self._running = asyncio.ensure_future(self._run())
+                self.background.track(self._running)
+
+    def _choose(self) -> Slot | None:
+        now = time.monotonic()
+        slots = self.pool.slots
+        views = [
+            IdleView(
+                s.id,
+                s.busy,
+                s.holding is not None
+                and s.holding.key not in self._failed
+                and self.work.worth_saving(s),
+                now - s.last_used,
+            )
+            for s in slots
+        ]
+        live = self.live.count(now) if self.live.window > 0 else 0
+        chosen = next_background_save(
+            views, live=live, waiting=self.pool.waiting, idle_save_after=self.idle_save_after
+        )
+        return None if chosen is None else slots[chosen]
+
+    async def _run(self) -> None:
+        while self.enabled:
+            slot = self._choose()
+            if slot is None or not self.pool.try_take(slot):
+                return
+            slot.saving = True  # a request may wait for it rather than evict another (slots.py)
+            await self._save(slot)
+
+    async def _save(self, slot: Slot) -> None:
+        key = slot.holding.key if slot.holding is not None else ""
+        saved = False
+        try:
+            await self.work.verify(slot)
+            if self.work.worth_saving(slot):
+                saved = await self.work.save(slot, background=True)
+        except (UpstreamError, OSError) as exc:
+            log.debug("background save of slot %d: %s", slot.id, exc)
+        finally:
+            if not saved and not slot.claimed and slot.holding is not None and not slot.saved:
+                self._failed.add(key)
+            # Only the holdings still in a slot can come up again.
+            self._failed &= {s.holding.key for s in self.pool.slots if s.holding is not None}
+            self.pool.release(slot, used=False)

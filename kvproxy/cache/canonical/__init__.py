@@ -1,0 +1,1 @@
+"""The canonical prefix (prefix.py) and the tokenising it rests on (tokensplit.py)."""

@@ -1,0 +1,106 @@
+"""What the cache reports about its work, for metrics and the per-request log line.
+
+The cache calls every listener synchronously on the event loop; listeners must be quick and
+must not raise (an exception is logged and dropped so a listener bug never fails a request).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from kvproxy.cache.policy import Decision
+
+log = logging.getLogger("kvproxy.events")
+
+
+class Count(StrEnum):
+    """Things the cache counts that are not a request or a slot action."""
+
+    EVICTION = "eviction"  # an entry evicted (TTL or byte budget)
+    SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
+    WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
+
+
+@dataclass
+class MissExplanation:
+    """Where a request parted from the closest conversation the cache knew."""
+
+    message_index: int  # first message that differs
+    char_offset: int  # first differing character in that message's text
+    ours: str  # short excerpt of the request's text around the divergence
+    theirs: str  # the same excerpt of the known conversation
+    where: str  # "slot N" or "disk"
+
+
+@dataclass
+class RequestEvent:
+    """One request through the proxy, after its reply was relayed."""
+
+    route: str
+    decision: Decision
+    status: int
+    key: str = ""  # conversation key (hex), "" when the request was not keyed
+    slot: int | None = None
+    queue_wait_s: float = 0.0
+    duration_s: float = 0.0
+    restored_tokens: int = 0
+    restore_ms: float = 0.0
+    cache_n: int | None = None  # from the reply's `timings`, when it had them
+    prompt_n: int | None = None
+    prompt_ms: float | None = None
+    miss: MissExplanation | None = None
+    # Tokens a resident/restored decision expected the server to reuse (None: not judged),
+    # and, when the server reused less than half of them, why.
+    expected_n: int | None = None
+    weak: str | None = None
+
+
+@dataclass
+class SlotActionEvent:
+    """A save or restore kvproxy asked the server for."""
+
+    action: str  # save | restore
+    ok: bool
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    background: bool = False  # a save no request waited for (warm.py)
+
+
+class Listener(Protocol):
+    def on_request(self, event: RequestEvent) -> None: ...
+
+    def on_slot_action(self, event: SlotActionEvent) -> None: ...
+
+    def on_count(self, what: Count, n: int) -> None: ...
+
+
+@dataclass
+class Events:
+    """Where the cache's parts report; metrics and the request log listen."""
+
+    listeners: list[Listener] = field(default_factory=list)
+
+    def request(self, event: RequestEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_request(event)
+            except Exception:
+                log.exception("request listener %r failed", listener)
+
+    def slot_action(self, event: SlotActionEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_slot_action(event)
+            except Exception:
+                log.exception("slot-action listener %r failed", listener)
+
+    def count(self, what: Count, n: int = 1) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_count(what, n)
+            except Exception:
+                log.exception("count listener %r failed", listener)

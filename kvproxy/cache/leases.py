@@ -1,0 +1,75 @@
+"""Work that must finish although the request that started it is gone.
+
+A client may hang up at any moment, cancelling its handler. Slot work already started
+(a save, a restore, the bookkeeping after a reply) must still run to its end and only then
+give the slots back, or what kvproxy knows about a slot would no longer be true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from kvproxy.cache.slots import Slot, SlotPool
+
+_T = TypeVar("_T")
+
+
+class Background:
+    """Detached tasks, kept referenced until done and awaited at shutdown."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.track(asyncio.ensure_future(coro))
+
+    def track(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class Lease:
+    """The slots one request holds; released when the request ends, or when the slot work
+    it handed off or was cancelled in ends, whichever is later."""
+
+    def __init__(self, pool: SlotPool, slots: list[Slot], background: Background) -> None:
+        self.pool = pool
+        self.slots = slots
+        self.background = background
+        self.released = False
+
+    async def guarded(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        task = asyncio.ensure_future(coro)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._release_after(task)
+            raise
+
+    def hand_off(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._release_after(asyncio.ensure_future(coro))
+
+    def _release_after(self, task: asyncio.Future[Any]) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.background.track(task)
+        task.add_done_callback(lambda _t: self._free())
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._free()
+
+    def _free(self) -> None:
+        for slot in self.slots:
+            self.pool.release(slot)

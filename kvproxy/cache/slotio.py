@@ -1,0 +1,334 @@
+"""The I/O a slot goes through: verify it, save it (canonical prefix first), restore into it.
+
+Every method here needs the slot to be ours (taken from the pool, so nothing else touches
+it): the server defers slot actions sent to a busy slot, and a deferred action can hang
+later completions. What the slot holds changes only through slots.py's methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from kvproxy import keys
+from kvproxy.cache.backend import Backend
+from kvproxy.cache.canonical import prefix as canonical
+from kvproxy.cache.events import Count, Events, SlotActionEvent
+from kvproxy.cache.habits import Habits
+from kvproxy.cache.leases import Background
+from kvproxy.cache.policy import RestoreGuard, worth_saving
+from kvproxy.cache.slots import NOBODY, Holding, Slot
+from kvproxy.config import Settings
+from kvproxy.http.session import UpstreamError
+from kvproxy.server.api import Restored
+from kvproxy.store import Entry, Store
+
+log = logging.getLogger("kvproxy.cache")
+
+# How long a slot kvproxy is about to act on may stay busy with work it did not send (a
+# cancelled request winding down) before kvproxy gives up on it.
+BUSY_WAIT_LIMIT = 120.0
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    n_restored: int
+    ms: float
+
+
+class SlotWork:
+    def __init__(
+        self,
+        backend: Backend,
+        store: Store,
+        settings: Settings,
+        events: Events,
+        habits: Habits,
+        guard: RestoreGuard,
+        background: Background,
+    ) -> None:
+        self.backend = backend
+        self.client = backend.client
+        self.store = store
+        self.settings = settings
+        self.events = events
+        self.habits = habits
+        self.guard = guard
+        self.background = background
+        self._disk_error_logged = False
+        self.heads = canonical.Heads()  # what the last canonical prefixes tokenised
+
+    def worth_saving(self, slot: Slot, incoming: list[str] | None = None) -> bool:
+        """Would the slot's content be lost, and is it worth a file? (policy.worth_saving)"""
+        held = slot.view()
+        return worth_saving(
+            held,
+            disk_enabled=self.backend.disk_enabled,
+            restores_allowed=held is None or self.guard.allows(held.namespace),
+            min_tokens=self.settings.min_tokens,
+            incoming=incoming,
+        )
+
+    # --- knowing what the slot holds
+
+    async def verify(self, slot: Slot) -> None:
+        """Trust the slot only if the server still shows what our last use left there."""
+        deadline = time.monotonic() + BUSY_WAIT_LIMIT
+        while True:
+            info = await self.client.slot(slot.id)
+            if not info.is_processing:
+                break
+            # A cancelled request may still be winding down; a slot action now would be
+            # deferred by the server, which can hang later requests.
+            if time.monotonic() > deadline:
+                raise UpstreamError(f"slot {slot.id} stays busy with work kvproxy did not send")
+            await asyncio.sleep(0.02)
+        pending = slot.pending is not None
+        if slot.holding is not None and not slot.shows_ours(info):
+            log.info(
+                "slot %d changed behind kvproxy's back (%s -> %s): forgetting %s",
+                slot.id,
+                slot.snapshot,
+                info.snapshot,
+                slot.holding.key[:12],
+            )
+            self.events.count(Count.SLOT_RESET)
+            slot.forget()
+        slot.observe(info, count_tokens=pending)
+
+    async def snapshot(self, slot: Slot) -> None:
+        """After our own use: remember what the server shows, and the holding's true size."""
+        slot.observe(await self.client.slot(slot.id), count_tokens=True)
+
+    async def snapshot_later(self, slot: Slot, taken: int) -> None:
+        """`snapshot` for a slot already given back after a reply (`Slot.ours_ended`), so a
+        client's next turn does not wait for it: its answer counts only if nobody took the
+        slot meanwhile (then that use's own snapshot, or `verify`, settles it). `taken`: the
+        slot's count when the use ended."""
+        try:
+            info = await self.client.slot(slot.id)
+        except UpstreamError as exc:
+            log.debug("GET /slots after the reply on slot %d: %s", slot.id, exc)
+            return
+        if slot.taken == taken and not slot.busy and not info.is_processing:
+            slot.observe(info, count_tokens=True)
+
+    # --- saving
+
+    async def save(self, slot: Slot, background: bool = False) -> bool:
+        """Save what the slot holds under its key. The slot must be ours and verified.
+        `background`: no request waits for it (counted apart)."""
+        begun = time.perf_counter()
+        holding = slot.holding
+        if (
+            holding is not None
+            and not holding.canonical
+            and holding.messages
+            and not (background and slot.claimed)
+        ):
+            await self._make_canonical(slot)
+        canonical_ms = (time.perf_counter() - begun) * 1000
+        holding = slot.holding
+        if holding is None:
+            return False
+        if background and slot.claimed:
+            log.debug("slot %d: background save gives way to its conversation's turn", slot.id)
+            return False
+        temp = self.store.temp_name(holding.key)
+        started = time.perf_counter()
+        try:
+            saved = await self.client.save(slot.id, temp)
+            if saved.n_saved == 0:
+                # Wiped since we last looked (a unified KV cache clears idle slots when another
+                # starts): an empty state would be restored as the conversation's.
+                await self._save_failed(started, temp)
+                log.info("slot %d was empty when saved: forgetting %s", slot.id, holding.key[:12])
+                self.events.count(Count.SLOT_RESET)
+                slot.forget()
+                return False
+            now = time.time()
+            entry = Entry(
+                key=holding.key,
+                namespace=holding.namespace,
+                n_tokens=saved.n_saved,
+                state_bytes=0,
+                n_messages=holding.n_messages,
+                created=now,
+                last_used=now,
+                chain=list(holding.chain),
+                messages=list(holding.messages),
+            )
+            entry = await self.store.commit_async(entry, temp)
+        except UpstreamError as exc:
+            await self._save_failed(started, temp)
+            if exc.status == 501:
+                self._no_slot_actions()
+            else:
+                self._disk_error(f"save of slot {slot.id} failed: {exc}")
+            return False
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            await self._save_failed(started, temp)
+            self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
+            return False
+        seconds = time.perf_counter() - started
+        slot.mark_saved()
+        self.events.slot_action(
+            SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds, background)
+        )
+        self._disk_error_logged = False
+        log.info(
+            "saved slot %d%s: %s, %d tokens, %d bytes in %.1f ms (canonical prefix before: "
+            "%.1f ms)",
+            slot.id,
+            " in the background" if background else "",
+            holding.key[:12],
+            saved.n_saved,
+            entry.state_bytes,
+            seconds * 1000,
+            canonical_ms,
+        )
+        await self.evict()
+        return True
+
+    def _no_slot_actions(self) -> None:
+        self.backend.disk_enabled = False
+        log.warning(
+            "llama-server has no --slot-save-path: disk cache off (start it with "
+            "--slot-save-path %s)",
+            self.settings.cache_dir,
+        )
+
+    async def _save_failed(self, started: float, temp: str) -> None:
+        seconds = time.perf_counter() - started
+        self.events.slot_action(SlotActionEvent("save", False, seconds=seconds))
+        await asyncio.to_thread(self.store.discard_temp, temp)
+
+    async def _make_canonical(self, slot: Slot) -> None:
+        """Make the slot hold exactly the prefix the conversation's next request starts with
+        (see canonical.py), so the saved state is reused on every model class. Best effort:
+        when it cannot be done the slot is saved as it is."""
+        holding = slot.holding
+        assert holding is not None
+        started = time.perf_counter()
+        ns = holding.namespace
+        # As the client will send it next (habits.py): a client that rewrites earlier
+        # messages gets a state its next request extends exactly.
+        messages = self.habits.next_messages(ns, holding.messages)
+        try:
+            tokens = await canonical.prefix_tokens(
+                self.client, holding.template, messages, self.habits.echo.get(ns), self.heads
+            )
+        except (UpstreamError, ValueError) as exc:
+            log.debug("no canonical prefix for %s: %s", holding.key[:12], exc)
+            return
+        if not tokens:
+            return
+        slot.mark_started()
+        try:
+            timings = await self.client.evaluate(slot.id, tokens)
+        except UpstreamError as exc:
+            log.warning("evaluating the canonical prefix on slot %d failed: %s", slot.id, exc)
+            await self.verify(slot)  # forgets the holding if the slot changed after all
+            return
+        if messages != holding.messages:
+            chain = keys.chain(ns, messages)
+            rewritten = Holding(ns, chain, len(tokens), len(messages), messages, holding.template)
+            slot.hold(rewritten, saved=False)
+        await self.snapshot(slot)
+        slot.mark_canonical()
+        log.debug(
+            "slot %d: canonical prefix of %s is %d tokens (%s evaluated) in %.0f ms",
+            slot.id,
+            holding.key[:12],
+            len(tokens),
+            timings.get("prompt_n", "?"),
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def _disk_error(self, message: str) -> None:
+        if not self._disk_error_logged:
+            log.error("%s (further disk errors logged at debug level)", message)
+            self._disk_error_logged = True
+        else:
+            log.debug(message)
+
+    # --- restoring
+
+    async def restore(self, slot: Slot, entry: Entry) -> RestoreOutcome | None:
+        """Load `entry` into the slot; on failure the entry is dropped and None returned."""
+        self.store.pin(entry.key)
+        try:
+            problem = await asyncio.to_thread(self.store.check_state_file, entry)
+            if problem is not None:
+                log.warning("dropping cache entry %s: %s", entry.key[:12], problem)
+                await self.store.remove_async(entry)
+                return None
+            started = time.perf_counter()
+            # Hashing reads the file while the server reads it too: the check costs no time
+            # unless it is slower than the restore, and nothing is forwarded before it passed.
+            checked = asyncio.ensure_future(asyncio.to_thread(self.store.verify_checksum, entry))
+            try:
+                restored: Restored = await self.client.restore(
+                    slot.id, self.store.state_name(entry.key)
+                )
+                damaged = await asyncio.shield(checked)
+            except UpstreamError as exc:
+                slot.forget()  # a failed restore erases the slot on the server
+                seconds = time.perf_counter() - started
+                self.events.slot_action(SlotActionEvent("restore", False, seconds=seconds))
+                if exc.status == 400:
+                    log.warning("restore of %s failed, dropping it: %s", entry.key[:12], exc)
+                    await self.store.remove_async(entry)
+                    return None
+                raise
+            if damaged is not None:
+                # The slot holds a state that is not the one saved: it must serve nothing. (An
+                # erase that fails means the server is gone, and so is the request.)
+                await self.client.erase(slot.id)
+                slot.forget()
+                log.warning("dropping cache entry %s: %s", entry.key[:12], damaged)
+                await self.store.remove_async(entry)
+                return None
+            seconds = time.perf_counter() - started
+            n = restored.n_restored
+            chain = list(entry.chain)
+            held = Holding(entry.namespace, chain, n, entry.n_messages, restored_depth=len(chain))
+            slot.restored(held)
+            self.events.slot_action(SlotActionEvent("restore", True, n, entry.state_bytes, seconds))
+            self.background.spawn(self.store.touch_async(entry.key))
+            return RestoreOutcome(n, seconds * 1000)
+        finally:
+            self.store.unpin(entry.key)
+
+    async def admit(self, slot: Slot, tenant: str | None) -> None:
+        """Before `tenant`'s request runs on the slot (whatever was worth keeping is saved by
+        now): if it may hold another tenant's tokens, erase it. The server reuses any common
+        prefix of what a slot holds, and `timings.cache_n` would tell the newcomer that the
+        other tenant sent the same text. Raises UpstreamError when the erase fails: the
+        request must not go."""
+        if slot.occupant in (tenant, NOBODY) or not self.backend.disk_enabled:
+            # A server that refuses slot actions cannot erase either: it serves as it would
+            # without kvproxy, whose pinning picks no slot the server would not reuse anyway.
+            slot.occupant = tenant
+            return
+        try:
+            await self.client.erase(slot.id)
+        except UpstreamError as exc:
+            if exc.status != 501:
+                raise
+            self._no_slot_actions()
+            slot.occupant = tenant
+            return
+        slot.forget()
+        slot.occupant = tenant
+
+    # --- the budget
+
+    async def evict(self) -> None:
+        victims = await self.store.select_victims_async()
+        if victims:
+            self.events.count(Count.EVICTION, len(victims))
+            log.info("evicting %d cache entries", len(victims))
+            await self.store.delete_files_async(victims)

@@ -1,0 +1,178 @@
+"""Requests the cache does not key, forwarded so that kvproxy's picture of the slots stays
+true: a slot-using request goes to a slot kvproxy chose (pinned with `id_slot`) and that slot
+is forgotten afterwards; on routes that ignore `id_slot` the request holds every slot. Either
+way, what a slot held is saved first if it would be lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kvproxy import keys
+from kvproxy.cache.backend import REFUSED_STATUSES, Backend
+from kvproxy.cache.events import Events, RequestEvent
+from kvproxy.cache.leases import Background, Lease
+from kvproxy.cache.policy import Decision
+from kvproxy.cache.slotio import SlotWork
+from kvproxy.cache.slots import QueueFull, Slot
+from kvproxy.http import bodies as jsonbody
+from kvproxy.http.errors import error_response
+from kvproxy.http.relay import RelayResult, relay
+from kvproxy.http.session import UpstreamError
+from kvproxy.wire import several_slots
+
+log = logging.getLogger("kvproxy.cache")
+
+
+class Unkeyed:
+    def __init__(
+        self,
+        backend: Backend,
+        work: SlotWork,
+        events: Events,
+        background: Background,
+    ) -> None:
+        self.backend = backend
+        self.pool = backend.pool
+        self.work = work
+        self.events = events
+        self.background = background
+
+    async def handle_pinned(self, request: web.Request, path_qs: str) -> web.StreamResponse:
+        body = await request.read()
+        parsed = jsonbody.parse(body)
+        if parsed.opaque:
+            # JSON kvproxy cannot read or write back: to the server as it came.
+            return await self.hold_all(request, path_qs, body)
+        payload = parsed.value
+        if not self.backend.enabled or not isinstance(payload, dict):
+            # Not a JSON object: the server refuses it before it touches a slot.
+            return (await self.relay_bypass(request, path_qs, body)).response
+        if several_slots(payload):
+            # The server would run the other completions on slots of its choosing.
+            return await self.hold_all(request, path_qs, body)
+        return await self.forward_pinned(request, path_qs, payload)
+
+    async def forward_pinned(
+        self, request: web.Request, path_qs: str, payload: dict[str, Any]
+    ) -> web.StreamResponse:
+        """A slot-using request the cache does not key: pinned, so no slot changes behind us."""
+        try:
+            slot, _ = await self.pool.acquire()
+        except QueueFull as exc:
+            return busy_response(exc)
+        lease = Lease(self.pool, [slot], self.background)
+        try:
+            await lease.guarded(self._clear_for_foreign_use(slot))
+            slot.forget()
+            if not await lease.guarded(self._admit([slot], request)):
+                return unreachable_response()
+            body = orjson.dumps({**payload, "id_slot": slot.id})
+            return (await self.relay_bypass(request, path_qs, body)).response
+        finally:
+            lease.release()
+
+    async def handle_unpinnable(
+        self, request: web.Request, path_qs: str, path: str
+    ) -> web.StreamResponse:
+        """Routes that ignore `id_slot` (embeddings, rerank, ...): the server picks a slot
+        itself, so the proxy holds all of them, saves what would be lost, and re-reads them
+        afterwards; unless the server refuses the route outright, without a slot."""
+        body = await request.read()
+        if self.backend.enabled and await self.backend.refuses(path):
+            result = await self.relay_bypass(request, path_qs, body)
+            if result.status not in REFUSED_STATUSES:
+                self.backend.served(path)
+            return result.response
+        return await self.hold_all(request, path_qs, body)
+
+    async def hold_all(self, request: web.Request, path_qs: str, body: bytes) -> web.StreamResponse:
+        if not self.backend.enabled:
+            return (await self.relay_bypass(request, path_qs, body)).response
+        try:
+            taken = await self.pool.acquire_all()
+        except QueueFull as exc:
+            return busy_response(exc)
+        lease = Lease(self.pool, taken, self.background)
+        try:
+            for slot in taken:
+                await lease.guarded(self._clear_for_foreign_use(slot))
+            # The server picks among these slots by what they hold: none may hold another
+            # tenant's tokens.
+            if not await lease.guarded(self._admit(taken, request)):
+                for slot in taken:
+                    slot.forget()
+                return unreachable_response()
+            try:
+                result = await self.relay_bypass(request, path_qs, body)
+            except BaseException:
+                for slot in taken:
+                    slot.forget()
+                raise
+            lease.hand_off(self._reverify(taken))
+            return result.response
+        finally:
+            lease.release()
+
+    async def _reverify(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            try:
+                await self.work.verify(slot)
+            except UpstreamError:
+                slot.forget()
+
+    async def _admit(self, slots: list[Slot], request: web.Request) -> bool:
+        """Erase those of `slots` that may hold another tenant's tokens; False if one could
+        not be erased (the request must not go)."""
+        tenant = keys.tenant_of(request.headers, self.work.settings.tenant_header)
+        try:
+            for slot in slots:
+                await self.work.admit(slot, tenant)
+        except UpstreamError as exc:
+            log.warning("could not erase a slot before another tenant's request: %s", exc)
+            return False
+        return True
+
+    async def _clear_for_foreign_use(self, slot: Slot) -> None:
+        """Before a request the cache does not key uses the slot: keep what would be lost."""
+        try:
+            await self.work.verify(slot)
+            if self.work.worth_saving(slot):
+                await self.work.save(slot)
+        except UpstreamError as exc:
+            log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
+            slot.forget()
+
+    async def relay_bypass(self, request: web.Request, path_qs: str, data: bytes) -> RelayResult:
+        started = time.perf_counter()
+        result = await relay(
+            request,
+            self.backend.upstream,
+            path_qs,
+            data,
+            body_replaced=True,
+            extra_headers={"X-KVProxy-Cache": Decision.BYPASS.value},
+        )
+        duration = time.perf_counter() - started
+        self.events.request(
+            RequestEvent(request.path, Decision.BYPASS, result.status, duration_s=duration)
+        )
+        return result
+
+
+def unreachable_response() -> web.Response:
+    return error_response(502, "llama-server is unreachable", "upstream_unreachable")
+
+
+def busy_response(exc: QueueFull) -> web.Response:
+    return error_response(
+        503,
+        f"All llama-server slots are busy: {exc}. Retry shortly.",
+        "slots_busy",
+        headers={"Retry-After": str(exc.retry_after)},
+    )

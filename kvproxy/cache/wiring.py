@@ -1,0 +1,215 @@
+"""The conversation cache, wired together: one llama-server (backend.py), the disk store,
+the slot work, and the request path (conversations.py); its life cycle and housekeeping.
+
+Saves happen in the background (warm.py: idle slots under slot pressure, or after an idle
+while), at eviction when no background save came first, on shutdown (write-back), or after
+every reply (write-through). Housekeeping runs every second on the event loop: it notices
+entries removed by `kvproxy rm|gc`, checks the server is still the one it knows, applies
+the TTL and the byte budget, and looks for idle slots to save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from kvproxy.cache.backend import Backend
+from kvproxy.cache.background_saves import Warmer
+from kvproxy.cache.events import Events
+from kvproxy.cache.habits import Habits
+from kvproxy.cache.keyed import Conversations
+from kvproxy.cache.leases import Background
+from kvproxy.cache.policy import RestoreGuard
+from kvproxy.cache.slotio import SlotWork
+from kvproxy.cache.slots import QueueFull, SlotPool
+from kvproxy.cache.unkeyed import Unkeyed
+from kvproxy.config import Settings
+from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.store import Store, dirfiles
+
+log = logging.getLogger("kvproxy.cache")
+
+HOUSEKEEPING_INTERVAL = 1.0
+
+
+class ConversationCache:
+    def __init__(self, settings: Settings, upstream: Upstream, events: Events) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.events = events
+        self.backend = Backend(upstream, settings)
+        self.store = Store(Path(settings.cache_dir), settings.ttl, int(settings.max_disk))
+        self.habits = Habits()
+        self.guard = RestoreGuard()
+        self.background = Background()
+        self.work = SlotWork(
+            self.backend, self.store, settings, events, self.habits, self.guard, self.background
+        )
+        self.warmer = Warmer(
+            self.backend.pool,
+            self.work,
+            self.background,
+            settings.live_window,
+            settings.idle_save_after,
+        )
+        self.unkeyed = Unkeyed(self.backend, self.work, events, self.background)
+        self.conversations = Conversations(
+            settings,
+            self.backend,
+            self.store,
+            self.work,
+            events,
+            self.habits,
+            self.guard,
+            self.background,
+            self.unkeyed,
+            self.warmer,
+        )
+        self._housekeeper: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+        self._habits_written = 0  # habits.changes when they were last written out
+
+    # --- what the scrape and the stats read
+
+    @property
+    def pool(self) -> SlotPool:
+        return self.backend.pool
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend.enabled
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.backend.disk_enabled
+
+    def disk_usage(self) -> tuple[int, int, int]:
+        summary = self.store.summary  # kept by the store's queries: no database read here
+        return summary.entries, summary.bytes, self.store.max_bytes
+
+    def state(self) -> dict[str, Any]:
+        """What the cache holds now (`/kvproxy/stats` adds the counters)."""
+        entries, used, _budget = self.disk_usage()
+        return {
+            "enabled": self.enabled,
+            "disk_enabled": self.disk_enabled,
+            "cache_open": self.store.ready,
+            "model_class": self.backend.model_class,
+            "entries": entries,
+            "disk_bytes": used,
+            "queue_waiting": self.pool.waiting,
+            "live_conversations": self.warmer.live.count(time.monotonic()),
+            "slots": [
+                {
+                    "id": s.id,
+                    "busy": s.busy,
+                    "key": s.holding.key if s.holding else None,
+                    "n_tokens": s.holding.n_tokens if s.holding else 0,
+                    "saved": s.saved,
+                }
+                for s in self.pool.slots
+            ],
+        }
+
+    # --- life cycle
+
+    async def start(self) -> None:
+        """Start opening the cache dir and return: the proxy binds its port and serves
+        uncached (`backend.store_open` is false) while a large cache opens or imports."""
+        self.backend.store_open = False
+        self._started = asyncio.Event()
+        self._housekeeper = asyncio.create_task(self._open_then_housekeep(self._started))
+
+    async def _open_then_housekeep(self, started: asyncio.Event) -> None:
+        began = time.perf_counter()
+        try:
+            await self.store.open_async()
+        except Exception:
+            log.exception("cannot open the cache dir %s: requests pass through", self.store.root)
+            started.set()
+            return
+        log.info("cache dir open in %.2f s", time.perf_counter() - began)
+        self.habits.load(await asyncio.to_thread(dirfiles.read, self.store.root, dirfiles.HABITS))
+        self._habits_written = self.habits.changes
+        window = self.settings.live_window
+        if window > 0:
+            self.warmer.recall(await self.store.used_since_async(time.time() - window))
+        self.backend.store_open = True
+        try:
+            await self.backend.discover()
+        except UpstreamError as exc:
+            log.warning("llama-server not ready (%s); will retry in the background", exc)
+        self.warmer.enabled = True
+        started.set()
+        await self._housekeeping()
+
+    async def started(self) -> None:
+        """Wait until the cache dir is open and the server was looked for once (what
+        `start` did before it returned, when the port bound only after the load)."""
+        await self._started.wait()
+
+    async def stop(self) -> None:
+        self.warmer.enabled = False  # a save under way finishes; no new one starts
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeper
+        await self.background.wait()
+        if not self.enabled or not self.store.ready:
+            await asyncio.to_thread(self.store.close)
+            return
+        for slot in self.pool.slots:
+            if self.work.worth_saving(slot):
+                with contextlib.suppress(QueueFull, UpstreamError, OSError):
+                    got, _ = await self.pool.acquire(wanted=slot.id)
+                    try:
+                        await self.work.verify(got)
+                        await self.work.save(got)
+                    finally:
+                        self.pool.release(got)
+        await self.background.wait()
+        await self.write_habits()
+        await asyncio.to_thread(self.store.close)
+
+    async def write_habits(self) -> None:
+        """Write what the clients were seen to do, when something new was learnt."""
+        changes = self.habits.changes
+        if changes == self._habits_written or not self.store.ready:
+            return
+        try:
+            await asyncio.to_thread(
+                dirfiles.write, self.store.root, dirfiles.HABITS, self.habits.to_json()
+            )
+        except OSError as exc:
+            log.warning("cannot write %s: %s", dirfiles.HABITS, exc)
+            return
+        self._habits_written = changes
+
+    # --- housekeeping
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL)
+            try:
+                if self.backend.props_check_due():
+                    await self.notice_removals()
+                    await self.backend.discover()
+                else:
+                    await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
+                await self.work.evict()
+                await self.write_habits()
+                if self.enabled:
+                    self.warmer.kick()
+            except UpstreamError as exc:
+                log.debug("housekeeping: %s", exc)
+            except Exception:
+                log.exception("housekeeping failed")
+
+    async def notice_removals(self) -> None:
+        gone = await self.store.forget_removed_async()
+        if gone:
+            log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))

@@ -1,0 +1,109 @@
+"""`kvproxy bench`'s command line, kept out of kvproxy.bench so that building the parser (which
+every `kvproxy` command does) imports no benchmark module: `serve` never loads them.
+
+Invariant: this module imports nothing from kvproxy.bench at module level; the benchmarks load
+when `bench` runs. A scenario flag left out is None and means that scenario's own default (its
+options dataclass in kvproxy.bench), so the defaults live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+MAX_CTX = 8192  # restore and all: the largest size (1k, 2k, … up to it)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: kvproxy vs llama-server's RAM cache vs no cache",
+        description=(
+            "Run the same work through llama-server without a cache, with its RAM prompt "
+            "cache, and through kvproxy; print tables and ratios. Starts its own servers. "
+            "Flags after `--` go to every llama-server."
+        ),
+    )
+    scenarios = bench.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
+
+    p = scenarios.add_parser("workload", help="N conversations × T turns through S slots")
+    _common(p)
+    p.add_argument("--conversations", type=int, help="N")
+    p.add_argument("--turns", type=int, help="T")
+    p.add_argument("--slots", type=int, help="S")
+    p.add_argument("--prompt-tokens", type=int, help="system prompt")
+    p.add_argument("--max-tokens", type=int, help="reply length")
+    p.add_argument("--restart", action="store_true", help="add the case with restarts")
+    p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
+
+    p = scenarios.add_parser("restore", help="TTFT restored vs re-prefilled, by size")
+    _common(p)
+    p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="largest size (1k, 2k, … up to it)")
+    p.add_argument("--sizes", default=None, help="comma-separated sizes instead")
+    p.add_argument("--repeats", type=int)
+
+    p = scenarios.add_parser("overhead", help="the proxy's own cost on a fake upstream")
+    _common(p)
+    p.add_argument("--requests", type=int, help="small requests per path")
+    p.add_argument("--sse-events", type=int)
+
+    p = scenarios.add_parser("load", help="C clients × M conversations through S slots")
+    _common(p)
+    p.add_argument("--clients", type=int, help="C")
+    p.add_argument("--conversations", type=int, help="M")
+    p.add_argument("--slots", type=int, help="S")
+    p.add_argument("--turns", type=int)
+    p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
+
+    p = scenarios.add_parser("store", help="the disk index at N entries (no llama-server)")
+    p.add_argument("--entries", type=int, help="N (default 10,000)")
+    p.add_argument("--workdir", type=Path, default=None, help="the synthetic cache (temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.set_defaults(func=run)
+
+    p = scenarios.add_parser("chaos", help="mixed load, SIGKILLs of kvproxy and the server, audit")
+    _common(p)
+    p.add_argument("--seed", type=int, help="seeds every random choice")
+    p.add_argument("--requests", type=int, help="at least this many requests")
+    p.add_argument("--faults", type=int, help="SIGKILLs, of kvproxy and the server in turn")
+    p.add_argument("--duration", type=float, help="hard bound on the workload, seconds")
+    p.add_argument("--clients", type=int)
+    p.add_argument("--tenants", type=int, help="API keys")
+    p.add_argument("--conversations", type=int)
+
+    p = scenarios.add_parser("agents", help="the real agents' turns: kvproxy vs the server alone")
+    _common(p)
+    p.add_argument("--clients", help="comma-separated: sdk,codex,claude,openclaw (installed)")
+    p.add_argument("--install", action="store_true", help="install the missing agents first")
+    p.add_argument("--max-output", type=int, help="reply cap, tokens")
+    p.add_argument("--ctx-size", type=int, dest="ctx_per_slot", help="context per slot")
+    p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
+
+    p = scenarios.add_parser("canonical", help="a save's canonical-prefix step, by size")
+    _common(p)
+    p.add_argument("--sizes", default=None, help="comma-separated sizes (1024,4096,8192)")
+    p.add_argument("--repeats", type=int)
+
+    p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
+    _common(p)
+    p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="restore: largest size")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="GGUF path (default: bundled Gemma 3 270M)")
+    p.add_argument("--server-bin", type=Path, default=None, help="llama-server binary")
+    p.add_argument("--threads", type=int, default=None, help="llama-server --threads (all cores)")
+    p.add_argument("--out", type=Path, default=None, help="write benchmarks.md, img/, json here")
+    p.add_argument("--workdir", type=Path, default=None, help="cache dirs and logs (temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.set_defaults(func=run, server_args=[])
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.scenario == "store":  # needs no model or llama-server: not bench.command's run
+        from kvproxy_bench.index_scale import main
+
+        return main(args)
+    from kvproxy_bench.command import run as run_bench  # the benchmarks load here, and only here
+
+    return run_bench(args)

@@ -1,0 +1,1 @@
+"""The HTTP edge: the aiohttp application clients talk to, its guards and where each route goes."""

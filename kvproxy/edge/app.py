@@ -1,0 +1,316 @@
+"""The aiohttp application: where each incoming request goes."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import posixpath
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+from aiohttp import StreamReader, web
+
+from kvproxy.cache.backend import SLOT_PICKING_ROUTES
+from kvproxy.cache.events import Events
+from kvproxy.cache.wiring import ConversationCache
+from kvproxy.config import Settings
+from kvproxy.http.errors import error_response
+from kvproxy.http.relay import relay
+from kvproxy.http.session import Upstream
+from kvproxy.keys import header_bytes
+from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
+from kvproxy.obs.requestlog import RequestLog
+from kvproxy.wire import WireAdapter
+from kvproxy.wire.chat import ChatAdapter
+from kvproxy.wire.messages import MessagesAdapter
+from kvproxy.wire.responses import ResponsesAdapter
+
+log = logging.getLogger("kvproxy.proxy")
+
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
+# OpenAI Responses (Codex): the server converts it to chat and honours `id_slot`.
+RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})
+# Anthropic Messages: the server ignores `id_slot` there, so kvproxy sends it as chat.
+MESSAGES_PATHS = frozenset({"/v1/messages"})
+# Routes whose `id_slot` the server honours: pinned so the proxy's picture of slots stays true.
+PINNABLE_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
+# Slot-using routes that ignore `id_slot`: the server picks the slot itself.
+UNPINNABLE_PATHS = frozenset({"/v1/messages", *SLOT_PICKING_ROUTES})
+
+# Resumable streams (server-stream.cpp): replay (GET), stop (DELETE) and discovery by id.
+RESUMABLE_STREAM_PATHS = frozenset({"/v1/stream", "/v1/streams/lookup"})
+
+
+def canonical_path(raw: str) -> str:
+    """Collapse `//`, `.` and `..` so `/v1/../slots` is seen as `/slots`."""
+    norm = posixpath.normpath("/" + raw.lstrip("/"))
+    return "/" if norm == "//" else norm
+
+
+def predict_routes(environ: Mapping[str, str]) -> frozenset[str]:
+    """The Vertex AI predict route of a llama-server under `AIP_MODE=PREDICTION`
+    (server-http.cpp `register_gcp_compat`): `/predict`, or `AIP_PREDICT_ROUTE` as the server
+    reads it (a leading `/` added). Both are refused, whatever the mode."""
+    custom = environ.get("AIP_PREDICT_ROUTE") or "/predict"
+    return frozenset(
+        {"/predict", canonical_path(custom if custom.startswith("/") else "/" + custom)}
+    )
+
+
+def blocked_reason(
+    method: str, path: str, predict: frozenset[str] = frozenset({"/predict"})
+) -> str | None:
+    """Server routes clients must never reach through the proxy, and why. A server started
+    with `--api-prefix P` serves every route under P (server-http.cpp `path_prefix`), so each
+    tail of the path is checked: `/P/slots/0` is `/slots/0` there."""
+    for at in range(len(path)):
+        if path[at] == "/":
+            reason = _blocked_route(method, path[at:], predict)
+            if reason is not None:
+                return reason
+    return None
+
+
+def _blocked_route(method: str, path: str, predict: frozenset[str]) -> str | None:
+    if path in predict:
+        # Each of `instances` runs through any route the server has, named by
+        # `@requestFormat` (`/slots/:id_slot`, `chatCompletions`, `/models/load`, ...) with
+        # this request's query string, all at once and on slots the server picks.
+        return (
+            f"{path} (Vertex AI predict) runs its instances through any server route, "
+            "slot actions included, on slots kvproxy does not own"
+        )
+    if path in RESUMABLE_STREAM_PATHS:
+        return (
+            f"{path} serves resumable streams, which llama-server keys by a client-chosen "
+            "conversation id with no owner (any tenant could read or stop another's); kvproxy "
+            "does not pass X-Conversation-Id, so no stream is resumable through it"
+        )
+    if path == "/slots" or path.startswith("/slots/"):
+        return (
+            "the /slots API is reserved to kvproxy: it decides what every slot holds, "
+            "and a client's save, restore or erase would corrupt that picture"
+        )
+    if method != "GET" and method != "HEAD" and path in ("/props", "/lora-adapters"):
+        return f"{method} {path} changes server-wide settings and is not exposed by kvproxy"
+    if path in ("/models/load", "/models/unload"):
+        return f"{path} loads or unloads models and is not exposed by kvproxy"
+    return None
+
+
+class Service:
+    """Everything one running proxy owns; lives on the app object."""
+
+    def __init__(self, settings: Settings, upstream_url: str) -> None:
+        self.settings = settings
+        # kvproxy's environment is the managed server's, and usually the sidecar's too.
+        self.predict_routes = predict_routes(os.environ)
+        self.upstream = Upstream(upstream_url, settings.api_key)
+        self.events = Events()
+        self.metrics = Metrics(
+            CHAT_PATHS | MESSAGES_PATHS | RESPONSES_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS
+        )
+        self.cache = ConversationCache(settings, self.upstream, self.events)
+        self.metrics.watch(self.cache)
+        self.events.listeners += [self.metrics, RequestLog()]
+        chat = ChatAdapter(settings.keep_reasoning)
+        # Routes the cache keys, each with the adapter that reads its wire format.
+        self.keyed: dict[str, WireAdapter] = dict.fromkeys(CHAT_PATHS, chat)
+        self.keyed.update(dict.fromkeys(MESSAGES_PATHS, MessagesAdapter()))
+        self.keyed.update(dict.fromkeys(RESPONSES_PATHS, ResponsesAdapter(settings.keep_reasoning)))
+
+    def stats(self) -> dict[str, Any]:
+        """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
+        return {**self.cache.state(), **self.metrics.snapshot()}
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        await self.cache.start()
+
+    async def stop(self) -> None:
+        try:
+            await self.cache.stop()
+        finally:
+            await self.upstream.close()
+
+
+SERVICE = web.AppKey("service", Service)
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def host_refusal(request: web.Request, settings: Settings) -> str | None:
+    """Bound to loopback, only loopback names may appear in Host: a browser page on another
+    origin can resolve its own name to 127.0.0.1 (DNS rebinding) but cannot forge Host."""
+    if not settings.loopback:
+        return None
+    host = (request.headers.get("Host") or "").strip().lower()
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if name in LOOPBACK_NAMES or name in settings.allowed_hosts:
+        return None
+    return (
+        f"Host {host!r} is not a loopback name; refused to guard against DNS rebinding "
+        "(allow it with --allowed-hosts)"
+    )
+
+
+def admin_refusal(request: web.Request, settings: Settings) -> web.Response | None:
+    """kvproxy's own routes (/kvproxy/*, /metrics) need the admin token off loopback."""
+    if settings.loopback:
+        return None
+    token = settings.admin_token.get_secret_value() if settings.admin_token else None
+    given = header_bytes(request.headers.get("Authorization", ""))
+    if token is None or not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        return error_response(
+            401,
+            "kvproxy admin routes need `Authorization: Bearer <--admin-token>`.",
+            "admin_token_required",
+        )
+    return None
+
+
+def client_refusal(request: web.Request, settings: Settings) -> web.Response | None:
+    """With --client-api-keys, every route but health checks needs one of them: kvproxy
+    sends llama-server its own key, so the server cannot tell clients apart any more."""
+    if not settings.client_api_keys or request.path in ("/health", "/v1/health"):
+        return None
+    given = header_bytes(request.headers.get("Authorization", ""))
+    ok = False
+    for key in settings.client_api_keys:
+        # Every key is compared, so the time taken does not tell which one nearly matched.
+        ok |= hmac.compare_digest(given, f"Bearer {key.get_secret_value()}".encode())
+    if ok:
+        return None
+    return error_response(
+        401, "Missing or wrong API key (Authorization: Bearer …).", "invalid_api_key"
+    )
+
+
+async def own_route(request: web.Request, service: Service, path: str) -> web.StreamResponse:
+    """kvproxy's own endpoints under /kvproxy/, and /metrics."""
+    refusal = admin_refusal(request, service.settings)
+    if refusal is not None:
+        return refusal
+    if request.method == "GET" and path == "/kvproxy/stats":
+        return web.json_response(service.stats(), dumps=lambda o: orjson.dumps(o).decode())
+    if request.method == "GET" and path == "/metrics":
+        # Shadows llama-server's own /metrics (scrape the server directly for those).
+        return web.Response(
+            body=service.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE}
+        )
+    return error_response(404, f"No kvproxy route {request.method} {path}.", "not_found")
+
+
+async def dispatch(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    refusal = host_refusal(request, service.settings)
+    if refusal is not None:
+        return error_response(403, refusal, "host_not_allowed")
+    path = canonical_path(request.path)
+    if not (path.startswith("/kvproxy/") or path == "/metrics"):
+        refused = client_refusal(request, service.settings)
+        if refused is not None:
+            return refused
+    if path.startswith("/kvproxy/") or (path == "/metrics" and request.method == "GET"):
+        return await own_route(request, service, path)
+    reason = blocked_reason(request.method, path, service.predict_routes)
+    if reason is not None:
+        return error_response(403, f"Forbidden: {reason}.", "forbidden_route")
+    if request.content_length is not None and request.content_length > service.settings.max_body:
+        return _too_large(service.settings)
+
+    if request.method == "POST":
+        cache = service.cache
+        adapter = service.keyed.get(path)
+        if adapter is not None:
+            path_qs = _path_qs(path, request)
+            return await cache.conversations.handle_keyed(request, path_qs, adapter)
+        if path in PINNABLE_PATHS:
+            return await cache.unkeyed.handle_pinned(request, _path_qs(path, request))
+        if path in UNPINNABLE_PATHS:
+            return await cache.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
+    return await forward(request, service, _path_qs(path, request))
+
+
+async def forward(request: web.Request, service: Service, path_qs: str) -> web.StreamResponse:
+    """Plain pass-through: the body streams to the server as it arrives. A body without a
+    Content-Length (chunked) is counted as it passes and cut off beyond --max-body."""
+    limit = service.settings.max_body
+    data: AsyncIterable[bytes] | None = None
+    limited: _Limited | None = None
+    if request.body_exists:
+        data = request.content
+        if request.content_length is None:
+            data = limited = _Limited(request.content, int(limit))
+    result = await relay(request, service.upstream, path_qs, data, body_replaced=False)
+    if limited is not None and limited.exceeded and not result.response.prepared:
+        return _too_large(service.settings)
+    return result.response
+
+
+class _Limited:
+    """A request body streamed on until it passes `limit` bytes; then the upload fails."""
+
+    def __init__(self, content: StreamReader, limit: int) -> None:
+        self.content = content
+        self.limit = limit
+        self.exceeded = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.content.iter_any():
+            seen += len(chunk)
+            if seen > self.limit:
+                self.exceeded = True
+                raise web.HTTPRequestEntityTooLarge(max_size=self.limit, actual_size=seen)
+            yield chunk
+
+
+def _path_qs(path: str, request: web.Request) -> str:
+    qs = request.rel_url.raw_query_string
+    return quote(path, safe="/:@!$&'()*+,;=-._~") + (f"?{qs}" if qs else "")
+
+
+def _too_large(settings: Settings) -> web.Response:
+    return error_response(
+        413,
+        f"Request body is larger than the proxy's limit of {settings.max_body.human_readable()} "
+        "(raise it with --max-body).",
+        "request_too_large",
+    )
+
+
+@web.middleware
+async def guard(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Whatever goes wrong inside, the client gets an OpenAI-style error, never a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        return _too_large(request.app[SERVICE].settings)
+    except web.HTTPException:
+        raise
+    except ConnectionResetError:
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "kvproxy internal error; see the proxy's log.", "proxy_error")
+
+
+def build_app(settings: Settings, upstream_url: str) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body, middlewares=[guard])
+    service = Service(settings, upstream_url)
+    app[SERVICE] = service
+
+    async def lifecycle(_app: web.Application):  # type: ignore[no-untyped-def]
+        await service.start()
+        yield
+        await service.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_route("*", "/{tail:.*}", dispatch)
+    return app

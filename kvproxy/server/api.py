@@ -1,0 +1,174 @@
+"""A typed client of llama-server's own API: the calls kvproxy makes for itself (slots, save,
+restore, erase, tokenize, apply-template, evaluate, props), with their replies as records.
+
+Knows no request and no cache: the cache, the canonical prefix and the doctor all use it, so
+an endpoint's path and body shape are written down once. Every call raises UpstreamError
+when the server cannot be reached or answers with an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kvproxy.http.session import Upstream, UpstreamError
+
+# A slot save or restore moves a whole KV state through the disk.
+SLOT_ACTION_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """One slot as GET /slots shows it; `n_prompt_tokens` is None before its first use."""
+
+    id: int
+    is_processing: bool
+    id_task: Any
+    n_prompt_tokens: int | None
+    n_ctx: int | None
+
+    @property
+    def snapshot(self) -> tuple[Any, int | None]:
+        """What changes whenever anyone uses the slot: compared to tell our use from theirs."""
+        return (self.id_task, self.n_prompt_tokens)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> SlotInfo:
+        return cls(
+            id=int(raw.get("id", -1)),
+            is_processing=bool(raw.get("is_processing")),
+            id_task=raw.get("id_task"),
+            n_prompt_tokens=_int(raw.get("n_prompt_tokens")),
+            n_ctx=_int(raw.get("n_ctx")),
+        )
+
+
+@dataclass(frozen=True)
+class Saved:
+    n_saved: int  # tokens in the saved state
+    n_written: int  # bytes the server wrote
+
+
+@dataclass(frozen=True)
+class Restored:
+    n_restored: int
+    n_read: int
+
+
+class LlamaClient:
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+
+    async def health(self, timeout: float = 10.0) -> None:
+        await self.upstream.get_json("/health", timeout=timeout)
+
+    async def props(self) -> dict[str, Any]:
+        res = await self.upstream.get_json("/props")
+        if not isinstance(res, dict):
+            raise UpstreamError(f"GET /props answered {_short(res)}")
+        return res
+
+    async def slots(self) -> list[SlotInfo]:
+        res = await self.upstream.get_json("/slots")
+        if not isinstance(res, list):
+            raise UpstreamError(f"GET /slots answered {_short(res)}")
+        return [SlotInfo.from_json(s) for s in res if isinstance(s, Mapping)]
+
+    async def slot(self, slot_id: int) -> SlotInfo:
+        for info in await self.slots():
+            if info.id == slot_id:
+                return info
+        raise UpstreamError(f"slot {slot_id} is not in GET /slots")
+
+    async def save(
+        self, slot_id: int, filename: str, timeout: float = SLOT_ACTION_TIMEOUT
+    ) -> Saved:
+        res = await self._slot_action(slot_id, "save", {"filename": filename}, timeout)
+        return Saved(_need_int(res, "n_saved"), _int(res.get("n_written")) or 0)
+
+    async def restore(
+        self, slot_id: int, filename: str, timeout: float = SLOT_ACTION_TIMEOUT
+    ) -> Restored:
+        """A failed restore answers 400 and leaves the slot erased."""
+        res = await self._slot_action(slot_id, "restore", {"filename": filename}, timeout)
+        return Restored(_int(res.get("n_restored")) or 0, _int(res.get("n_read")) or 0)
+
+    async def erase(self, slot_id: int) -> int:
+        res = await self._slot_action(slot_id, "erase", {}, 60.0)
+        return _int(res.get("n_erased")) or 0
+
+    async def _slot_action(
+        self, slot_id: int, action: str, body: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        res = await self.upstream.post_json(f"/slots/{slot_id}?action={action}", body, timeout)
+        if not isinstance(res, dict):
+            raise UpstreamError(f"slot {action} answered {_short(res)}")
+        return res
+
+    async def refuses(self, path: str) -> bool:
+        """Whether the server refuses `path` outright: 501 (not started for it, e.g. no
+        --embeddings) or 404 (no such route). Probed with `{}`, which a route it serves
+        refuses (400) before it creates any task, so no slot is touched either way."""
+        try:
+            await self.upstream.post_json(path, {}, timeout=30.0)
+        except UpstreamError as exc:
+            return exc.status in (404, 501)
+        return False
+
+    async def apply_template(self, body: Mapping[str, Any]) -> str:
+        """The prompt the server renders for a chat body (messages and template fields)."""
+        res = await self.upstream.post_json("/apply-template", dict(body))
+        prompt = res.get("prompt") if isinstance(res, dict) else None
+        if not isinstance(prompt, str):
+            raise UpstreamError(f"/apply-template answered {_short(res)}")
+        return prompt
+
+    async def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Tokens as the server tokenises prompts: chat prompts with add_special (BOS);
+        without it nothing a chat request caches would match. `parse_special` False reads
+        control-token texts as plain text (tokensplit.py proves a marker special with it)."""
+        res = await self.upstream.post_json(
+            "/tokenize",
+            {"content": text, "add_special": add_special, "parse_special": parse_special},
+        )
+        tokens = res.get("tokens") if isinstance(res, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise UpstreamError(f"/tokenize answered {_short(res)}")
+        return tokens
+
+    async def evaluate(self, slot_id: int, tokens: list[int]) -> dict[str, Any]:
+        """Make the slot hold exactly `tokens` (reusing what it already shares with them),
+        generating nothing; returns the reply's `timings`."""
+        res = await self.upstream.post_json(
+            "/completion",
+            {"prompt": tokens, "n_predict": 0, "id_slot": slot_id, "cache_prompt": True},
+        )
+        timings = res.get("timings") if isinstance(res, dict) else None
+        return timings if isinstance(timings, dict) else {}
+
+    async def complete(self, body: Mapping[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+        """A raw /completion call (the doctor's probes)."""
+        res = await self.upstream.post_json("/completion", dict(body), timeout)
+        if not isinstance(res, dict):
+            raise UpstreamError(f"/completion answered {_short(res)}")
+        return res
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _need_int(res: Mapping[str, Any], name: str) -> int:
+    value = _int(res.get(name))
+    if value is None:
+        raise UpstreamError(f"reply has no {name}: {_short(res)}")
+    return value
+
+
+def _short(res: Any) -> str:
+    return orjson.dumps(res, default=str)[:200].decode("utf-8", "replace")

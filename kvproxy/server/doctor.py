@@ -1,0 +1,348 @@
+"""`kvproxy doctor`: checks a running llama-server and cache dir for what kvproxy needs (its
+command line is `kvproxy.cli.doctor`, so other commands do not import this module and aiohttp).
+
+Each check is ok, warn or fail, with the exact flag to change; any fail exits 1. Without
+`--quick`, two probes use idle slots (a running kvproxy notices and re-reads them): whether
+an idle slot keeps its tokens when another slot works, and whether the server reuses a
+restored state — the one thing that decides if restores save any time on this model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kvproxy.config import Settings
+from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.server.api import LlamaClient, SlotInfo
+from kvproxy.server.modelinfo import ModelInfo, read_model_info
+
+Status = Literal["ok", "warn", "fail"]
+
+FILLER = "The quick brown fox jumps over the lazy dog while the cache keeps every token. "
+EXTENSION = " And then the story goes on with a few more words."
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+class Stop(Exception):
+    """A failed check that makes the later ones meaningless."""
+
+
+class Doctor:
+    def __init__(self, settings: Settings, upstream: Upstream, quick: bool) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.llama = LlamaClient(upstream)
+        self.quick = quick
+        self.checks: list[Check] = []
+        self.props: dict[str, Any] = {}
+        self.slots: list[SlotInfo] = []
+        self.model: ModelInfo | None = None
+        self.cache_dir = Path(settings.cache_dir)
+
+    def add(self, name: str, status: Status, detail: str, fix: str = "") -> None:
+        self.checks.append(Check(name, status, detail, fix))
+
+    async def run(self) -> list[Check]:
+        with contextlib.suppress(Stop):
+            await self.check_health()
+            await self.check_auth()
+            await self.check_model()
+            await self.check_slots()
+            await self.check_cache_dir()
+            await self.check_save_path()
+            if self.quick:
+                self.add("idle slots kept", "warn", "not probed (--quick)")
+                self.add("restore reuse", "warn", "not probed (--quick)")
+            else:
+                await self.check_idle_wipe()
+                await self.check_restore_reuse()
+        return self.checks
+
+    # --- the checks, in the order a user would fix them
+
+    async def check_health(self) -> None:
+        url = self.upstream.base_url
+        try:
+            await self.llama.health()
+        except UpstreamError as exc:
+            if exc.status == 503:
+                self.add("server", "fail", f"{url} is still loading its model", "wait, then rerun")
+            else:
+                self.add(
+                    "server",
+                    "fail",
+                    f"cannot reach llama-server at {url}: {exc}",
+                    "start llama-server, or pass --upstream URL (env KVPROXY_UPSTREAM)",
+                )
+            raise Stop from None
+        self.add("server", "ok", f"{url} is up and healthy")
+
+    async def check_auth(self) -> None:
+        try:
+            self.props = await self.llama.props()
+        except UpstreamError as exc:
+            if exc.status == 401:
+                if self.upstream.api_key:
+                    self.add(
+                        "API key",
+                        "fail",
+                        "llama-server refused the API key",
+                        "set --upstream-api-key to one of llama-server's --api-key values",
+                    )
+                else:
+                    self.add(
+                        "API key",
+                        "fail",
+                        "llama-server needs an API key",
+                        "pass --upstream-api-key KEY (env KVPROXY_UPSTREAM_API_KEY)",
+                    )
+            else:
+                self.add("API key", "fail", f"GET /props failed: {exc}")
+            raise Stop from None
+        needed = "accepted" if self.upstream.api_key else "not needed"
+        self.add("API key", "ok", needed)
+
+    async def check_model(self) -> None:
+        path = str(self.props.get("model_path") or "")
+        if not path:
+            self.add("model class", "warn", "llama-server did not say which model it loaded")
+            return
+        info = await asyncio.to_thread(read_model_info, path)
+        if info.model_class == "unknown":
+            self.add(
+                "model class",
+                "warn",
+                f"cannot read {path} from here; the restore probe below still tells",
+            )
+            return
+        self.model = info
+        detail = f"{info.architecture}: {info.model_class}"
+        if info.has_swa:
+            detail += f" (sliding window {info.n_swa})"
+        rule = {
+            "prefix": "any common prefix is reused after a restore",
+            "extension": "a restore is reused only when the next prompt extends it exactly "
+            "(kvproxy saves the canonical prefix for that)",
+            "none": "",
+        }[info.restore_reuse()]
+        if info.has_swa:
+            rule = "a restore is reused only with llama-server --swa-full (then any prefix)"
+        self.add("model class", "ok", f"{detail}; {rule}")
+
+    async def check_slots(self) -> None:
+        try:
+            self.slots = await self.llama.slots()
+        except UpstreamError as exc:
+            fix = "start llama-server with --slots" if exc.status == 501 else ""
+            self.add("slots", "fail", f"GET /slots failed: {exc}", fix)
+            raise Stop from None
+        n = len(self.slots)
+        n_ctx = self.slots[0].n_ctx if self.slots else None
+        if n == 1:
+            self.add(
+                "slots",
+                "warn",
+                f"1 slot of {n_ctx} tokens: every other conversation evicts the last one",
+                "start llama-server with -np 2 or more (and --ctx-size = slots × tokens each)",
+            )
+        else:
+            self.add("slots", "ok", f"{n} slots of {n_ctx} tokens each")
+
+    async def check_cache_dir(self) -> None:
+        problem = await asyncio.to_thread(_cache_dir_problem, self.cache_dir)
+        if problem is not None:
+            status, detail, fix = problem
+            self.add("cache dir", status, detail, fix)
+            if status == "fail":
+                raise Stop
+            return
+        free = (await asyncio.to_thread(shutil.disk_usage, self.cache_dir)).free
+        budget = int(self.settings.max_disk)
+        if free < budget:
+            self.add(
+                "cache dir",
+                "warn",
+                f"{self.cache_dir}: {_gib(free)} free, less than --max-disk {_gib(budget)}",
+                f"lower --max-disk below {_gib(free)} or free disk space",
+            )
+        else:
+            self.add("cache dir", "ok", f"{self.cache_dir}: private, {_gib(free)} free")
+
+    async def check_save_path(self) -> None:
+        slot = self._idle_slot()
+        if slot is None:
+            self.add("slot save path", "warn", "every slot is busy: not probed; rerun later")
+            return
+        name = f"{secrets.token_hex(16)}.doctor.tmp"
+        try:
+            saved = await self.llama.save(slot, name, timeout=60)
+        except UpstreamError as exc:
+            if exc.status == 501:
+                self.add(
+                    "slot save path",
+                    "fail",
+                    "slot save/restore is off in llama-server",
+                    f"start llama-server with --slot-save-path {self.cache_dir}",
+                )
+            else:
+                self.add("slot save path", "fail", f"a probe save failed: {exc}")
+            raise Stop from None
+        probe = self.cache_dir / name
+        landed = await asyncio.to_thread(probe.exists)
+        await asyncio.to_thread(_unlink, probe)
+        if not landed:
+            self.add(
+                "slot save path",
+                "fail",
+                f"llama-server saves slots somewhere else than {self.cache_dir}",
+                f"start llama-server with --slot-save-path {self.cache_dir} "
+                "(the same dir as kvproxy's --cache-dir)",
+            )
+            raise Stop
+        self.add(
+            "slot save path",
+            "ok",
+            f"a probe save landed in {self.cache_dir} ({saved.n_written} bytes)",
+        )
+
+    async def check_idle_wipe(self) -> None:
+        idle = [s.id for s in self.slots if not s.is_processing]
+        if len(self.slots) < 2:
+            self.add("idle slots kept", "ok", "one slot: nothing else can wipe it")
+            return
+        if len(idle) < 2:
+            self.add("idle slots kept", "warn", "fewer than 2 idle slots: not probed")
+            return
+        keep, work = idle[0], idle[1]
+        tokens = await self._tokens(FILLER * 2)
+        await self.llama.evaluate(keep, tokens)
+        await self.llama.evaluate(work, tokens[: len(tokens) // 2])
+        kept = (await self.llama.slot(keep)).n_prompt_tokens
+        await self.llama.erase(keep)
+        await self.llama.erase(work)
+        if not kept:
+            self.add(
+                "idle slots kept",
+                "fail",
+                "llama-server wiped an idle slot when another slot started work "
+                "(unified KV cache with --cache-idle-slots)",
+                "start llama-server with -np N --no-kv-unified (or --no-cache-idle-slots)",
+            )
+        else:
+            self.add("idle slots kept", "ok", f"slot {keep} kept its {kept} tokens")
+
+    async def check_restore_reuse(self) -> None:
+        slot = self._idle_slot()
+        if slot is None:
+            self.add("restore reuse", "warn", "every slot is busy: not probed")
+            return
+        n_ctx = self.slots[0].n_ctx or 4096
+        # Past the sliding window, where SWA models lose what a restore brought back.
+        target = min((self.model.n_swa if self.model else 0) + 128, n_ctx // 2)
+        filler = await self._tokens(FILLER)
+        prompt = (filler * (target // max(len(filler), 1) + 1))[: max(target, 64)]
+        longer = [*prompt, *(await self._tokens(EXTENSION, special=False))]
+        name = f"{secrets.token_hex(16)}.doctor.tmp"
+        try:
+            await self.llama.evaluate(slot, prompt)
+            await self.llama.save(slot, name, timeout=120)
+            await self.llama.erase(slot)
+            await self.llama.restore(slot, name, timeout=120)
+            timings = await self.llama.evaluate(slot, longer)
+        finally:
+            await asyncio.to_thread(_unlink, self.cache_dir / name)
+            with contextlib.suppress(UpstreamError):
+                await self.llama.erase(slot)
+        cache_n = int(timings.get("cache_n", 0))
+        if cache_n >= len(prompt) // 2:
+            self.add(
+                "restore reuse",
+                "ok",
+                f"after save → erase → restore of {len(prompt)} tokens, {cache_n} were reused",
+            )
+            return
+        if self.model is not None and self.model.has_swa:
+            fix = (
+                "restart llama-server with --swa-full (every layer then keeps the whole "
+                "context: more KV memory)"
+            )
+            why = "a sliding-window model without --swa-full"
+        else:
+            fix = "check llama-server's flags and version; kvproxy will stop restoring for it"
+            why = "this model/flags combination"
+        self.add(
+            "restore reuse",
+            "fail",
+            f"llama-server reused {cache_n} of {len(prompt)} restored tokens: {why}; "
+            "every restore would be wasted I/O",
+            fix,
+        )
+
+    # --- helpers
+
+    def _idle_slot(self) -> int | None:
+        return next((s.id for s in self.slots if not s.is_processing), None)
+
+    async def _tokens(self, text: str, special: bool = True) -> list[int]:
+        return await self.llama.tokenize(text, add_special=special)
+
+
+def _cache_dir_problem(path: Path) -> tuple[Status, str, str] | None:
+    if not path.is_dir():
+        return "fail", f"{path} does not exist", f"mkdir -m 700 -p {path}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "fail", f"{path} is not writable by this user", "run as the service's user"
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        return (
+            "warn",
+            f"{path} is readable by others (mode {mode:o}): conversations are in it",
+            f"chmod 700 {path}",
+        )
+    return None
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def render(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks) if checks else 5
+    lines = [f"{'check':<{width}}  status  detail"]
+    for c in checks:
+        lines.append(f"{c.name:<{width}}  {c.status:<6}  {c.detail}")
+        if c.fix:
+            lines.append(f"{'':<{width}}          fix: {c.fix}")
+    return "\n".join(lines)
+
+
+async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:
+    url = settings.upstream_url
+    if not url:
+        return [Check("server", "fail", "no llama-server given", "pass --upstream URL")]
+    upstream = Upstream(url, settings.api_key)
+    await upstream.start()
+    try:
+        return await Doctor(settings, upstream, quick).run()
+    finally:
+        await upstream.close()

@@ -1,0 +1,127 @@
+"""A llama-server that a killed kvproxy left running (managed mode).
+
+The managed server runs in a session of its own (a Ctrl-C is kvproxy's to relay), so when
+kvproxy dies without stopping it (SIGKILL, the OOM killer, a crash) it keeps running: its
+model and KV memory stay taken, and a restarted kvproxy would start a second one beside it.
+kvproxy writes down what it started (dirfiles.SERVER, in the cache dir) and, at the next
+start, stops that process if it is still there and no longer has the kvproxy that started it
+as its parent. A process is recognised by its exact command line, so a reused pid or a
+server someone else runs is never touched; another kvproxy still running on the same cache
+dir keeps its server."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvproxy.store import dirfiles
+
+log = logging.getLogger("kvproxy.managed")
+
+STOP_GRACE_S = 5.0  # SIGTERM first: a server mid-save finishes writing its file
+
+
+@dataclass(frozen=True)
+class Started:
+    """What managed mode started: the process, who started it, with what command."""
+
+    pid: int
+    owner: int
+    command: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "owner": self.owner, "command": list(self.command)}
+
+    @staticmethod
+    def from_json(data: Any) -> Started | None:
+        try:
+            started = Started(
+                int(data["pid"]), int(data["owner"]), tuple(map(str, data["command"]))
+            )
+        except (TypeError, KeyError, ValueError):
+            return None
+        return started if started.pid > 1 and started.command else None
+
+
+@dataclass(frozen=True)
+class Running:
+    """A live process as /proc shows it."""
+
+    command: tuple[str, ...]
+    parent: int
+
+
+def is_leftover(started: Started, running: Running | None) -> bool:
+    """Ours to stop: it runs exactly what was started, and its parent is no longer the kvproxy
+    that started it (it was handed to init or a subreaper when that kvproxy died)."""
+    return (
+        running is not None
+        and running.command == started.command
+        and (running.parent != started.owner)
+    )
+
+
+def running(pid: int) -> Running | None:
+    """The process `pid`, or None once it is gone (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Fields after the command name, which is in parentheses and may hold anything.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not raw or not fields or fields[0] == b"Z":
+        return None
+    command = tuple(part.decode("utf-8", "surrogateescape") for part in raw.split(b"\0")[:-1])
+    return Running(command, int(fields[1]))
+
+
+def record(root: Path, pid: int, command: list[str]) -> None:
+    dirfiles.write(root, dirfiles.SERVER, Started(pid, os.getpid(), tuple(command)).to_json())
+
+
+def forget(root: Path) -> None:
+    dirfiles.remove(root, dirfiles.SERVER)
+
+
+def stop_leftover(root: Path, grace: float = STOP_GRACE_S) -> int | None:
+    """Stops the server a killed kvproxy left running on this cache dir; its pid, or None if
+    there was none. Blocks up to `grace` seconds and a little: call it off the event loop."""
+    started = Started.from_json(dirfiles.read(root, dirfiles.SERVER))
+    if started is None:
+        return None
+    now = running(started.pid)
+    if not is_leftover(started, now):
+        if now is None:
+            forget(root)
+        return None
+    log.warning(
+        "stopping llama-server pid %d: a kvproxy that was killed left it running on %s",
+        started.pid,
+        root,
+    )
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if _ended(started.pid, sig, grace):
+            forget(root)
+            return started.pid
+    log.warning("llama-server pid %d is still there after SIGKILL", started.pid)
+    return None
+
+
+def _ended(pid: int, sig: signal.Signals, grace: float) -> bool:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+    deadline = time.monotonic() + grace
+    while running(pid) is not None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -1,0 +1,51 @@
+"""Opening a cache dir: the import of old `.idx` records (once) and the start-up sweep.
+
+Start-up only, on the thread that owns the connection: one directory scan and one pass over
+the keys, the import in a few large transactions. A proxy sweeps (deletes what no row covers:
+temp files of saves a killed process left, files of keys nobody committed); `kvproxy
+ls|rm|gc` never do, since a sweep could delete a running proxy's save in flight, and once a
+cache dir was imported they neither scan it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvproxy.store.db import IndexDB
+from kvproxy.store.files import Scanned, StoreFiles
+
+log = logging.getLogger("kvproxy.store")
+
+IMPORT_BATCH = 5000  # `.idx` records imported per transaction
+# SQLite's page cache while importing (KiB): the prefix rows of a batch land all over a table
+# that grows to ~2M rows at 100k entries; with the default 2 MiB cache most of them read and
+# write back a page that was just evicted. The cache is given back after the import.
+IMPORT_CACHE_KIB = 128 * 1024
+
+
+def open_index(db: IndexDB, files: StoreFiles, sweep: bool) -> list[tuple[str, str]]:
+    """Import old records, drop rows whose state file is gone, and (with `sweep`) delete what
+    no row covers. Returns the (key, reason) of records that could not be imported."""
+    files.create()
+    if not sweep and db.get_meta("opened") is not None:
+        return []  # imported before: rows are the truth, no scan for the CLI
+    scanned: Scanned = files.scan(db.all_keys(), sweep)
+    if scanned.imported:
+        with db.cache_size(IMPORT_CACHE_KIB):
+            for i in range(0, len(scanned.imported), IMPORT_BATCH):
+                db.insert_many(scanned.imported[i : i + IMPORT_BATCH])
+        log.info("imported %d entries from .idx records", len(scanned.imported))
+    # The rows are committed: the records they came from go (see drop_records).
+    good = {e.key for e in scanned.imported}
+    if sweep:
+        files.drop_records(scanned.records)
+    else:
+        files.drop_records(k for k in scanned.records if k in good)
+    for key in scanned.missing:  # state file gone (an older kvproxy swept it)
+        row = db.delete(key)
+        if row is not None and sweep:
+            files.delete([row])
+    if not scanned.problems:  # else a later open tries (and reports) them again
+        db.set_meta("opened", str(time.time()))
+    return scanned.problems

@@ -1,0 +1,384 @@
+"""`Store`: the cache dir's index (an SQLite database, `kvproxy.store.db`) and the operations
+that keep it and the files in step.
+
+Who touches what. The index lives in the database, not in memory: the proxy keeps only the
+pins of entries being restored, the operations in flight per key and a summary (entry count
+and bytes, one row the triggers keep) refreshed after each write. In the proxy every query
+and write runs on one dedicated thread with one connection (`_db`), file I/O in
+`asyncio.to_thread` (`StoreFiles`), and their results are applied on the event loop: the loop
+never waits for SQLite or the disk. `kvproxy ls|rm|gc` (no event loop) call the synchronous
+methods, which use a connection of the calling thread; never hand those to a thread from the
+proxy. Several processes share the database safely (SQLite's locking, WAL); rows are the
+truth, so a proxy sees what `kvproxy rm|gc` did at its next query, with no rescan.
+
+Order on disk. The `*_async` operations that change a key's files (commit, delete) run one
+at a time per key, in the order the loop issued them, and finish even if the request that
+asked for them is cancelled. A commit deletes the key's old row before its files change and
+writes the new row after they are in place (the row is the commit marker); a deletion drops
+the row before the files. An eviction's victims are rows the eviction deleted; their files are
+deleted unless a commit of the same key was in flight meanwhile (the files are that commit's
+by then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvproxy.keys import is_key
+from kvproxy.store.db import IndexDB
+from kvproxy.store.entry import Entry
+from kvproxy.store.files import StoreFiles
+from kvproxy.store.listing import Listing, Totals
+from kvproxy.store.perkey import PerKey
+from kvproxy.store.startup import open_index
+from kvproxy.store.thread import IndexThread
+from kvproxy.store.view import EntriesView
+
+log = logging.getLogger("kvproxy.store")
+
+T = TypeVar("T")
+
+
+class Store:
+    """The index of the cache dir, and the operations that keep it and the files in step.
+    See the module docstring for which thread does what."""
+
+    def __init__(self, root: Path, ttl: float, max_bytes: int) -> None:
+        self.root = root
+        self.files = StoreFiles(root)
+        self.ttl = ttl
+        self.max_bytes = max_bytes
+        self.problems: list[tuple[str, str]] = []  # (key, reason) skipped by the last open
+        self.ready = False  # opened: the proxy serves uncached until then
+        self.summary = Totals(0, 0)
+        self._pinned: dict[str, int] = {}
+        self._serial = PerKey().run  # file operations: one at a time per key, in issue order
+        self._committing: dict[str, int] = {}  # keys with a commit in flight
+        self._watchers: list[set[str]] = []  # keys committed while an eviction runs
+        self._local = threading.local()  # one IndexDB per thread
+        self._thread = IndexThread()  # the proxy's index connection lives there
+
+    # --- names (any thread)
+
+    def state_name(self, key: str) -> str:
+        return self.files.state_name(key)
+
+    def temp_name(self, key: str) -> str:
+        """Where llama-server writes a save before it is committed under its key."""
+        return self.files.temp_name(key)
+
+    # --- the database
+
+    def _conn(self) -> IndexDB:
+        """The calling thread's connection (sqlite3 connections stay on their thread)."""
+        db: IndexDB | None = getattr(self._local, "db", None)
+        if db is None:
+            if not self.root.exists():
+                self.files.create()
+            db = IndexDB(self.root)
+            self._local.db = db
+        return db
+
+    async def _db(self, work: Callable[[IndexDB], T], refresh: bool = True) -> T:
+        """Run `work` on the index thread; with `refresh` (writes), the summary is refreshed
+        with it. Lookups leave it be: it changes only with writes, ours (refreshed then) or
+        another process's (housekeeping's refresh, every second)."""
+        result, totals = await self._thread.run(partial(self._with_totals, work, refresh))
+        if totals is not None:
+            self.summary = totals
+        return result
+
+    def _with_totals(
+        self, work: Callable[[IndexDB], T], refresh: bool = True
+    ) -> tuple[T, Totals | None]:
+        db = self._conn()
+        db.written = None
+        result = work(db)
+        if not refresh:
+            return result, None
+        return result, db.written or db.totals()
+
+    def _sync(self, work: Callable[[IndexDB], T]) -> T:
+        result, totals = self._with_totals(work)
+        assert totals is not None
+        self.summary = totals
+        return result
+
+    def close(self) -> None:
+        """Close the connections and end the proxy's index thread (if it started)."""
+        if self._thread.started:
+            self._thread.call(self._close_local)
+            self._thread.stop()
+        self._close_local()
+
+    def _close_local(self) -> None:
+        db: IndexDB | None = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    # --- what the loop keeps: pins and a summary
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes on disk: state files, their sidecars and the conversations' text (as of the
+        last query; housekeeping refreshes it every second)."""
+        return self.summary.bytes
+
+    @property
+    def entries(self) -> Mapping[str, Entry]:
+        """A read-only view of the committed entries, querying the database in the calling
+        thread: for `kvproxy ls|rm|gc` and tests, never the proxy's request paths."""
+        return EntriesView(self._sync)
+
+    def pin(self, key: str) -> None:
+        self._pinned[key] = self._pinned.get(key, 0) + 1
+
+    def unpin(self, key: str) -> None:
+        left = self._pinned.get(key, 0) - 1
+        if left > 0:
+            self._pinned[key] = left
+        else:
+            self._pinned.pop(key, None)
+
+    def expired(self, entry: Entry, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return self.ttl > 0 and now - entry.last_used > self.ttl
+
+    # --- lookups (the proxy: on the index thread)
+
+    async def lookup_async(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
+        """The stored entry sharing the longest prefix with `keys`, and that prefix's length."""
+        return await self._db(lambda db: db.longest(keys, namespace), refresh=False)
+
+    async def candidates_async(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
+        """See `candidates`."""
+        return await self._db(lambda db: db.candidates(keys, namespace), refresh=False)
+
+    async def used_since_async(self, when: float, limit: int = 10_000) -> list[tuple[str, float]]:
+        """(key, last_used) of the entries used since `when` (wall clock), newest first."""
+        return await self._db(lambda db: db.used_since(when, limit), refresh=False)
+
+    async def contains_async(self, key: str) -> bool:
+        return await self._db(lambda db: db.contains(key), refresh=False)
+
+    async def recent_with_text_async(self, namespace: str, limit: int = 8) -> list[str]:
+        """See `recent_with_text`."""
+        return await self._db(lambda db: db.recent_with_text(namespace, limit), refresh=False)
+
+    async def refresh_async(self) -> Totals:
+        """Re-read the summary (another process may have removed entries)."""
+        await self._db(lambda db: None)
+        return self.summary
+
+    async def forget_removed_async(self) -> list[str]:
+        """Rows are the truth: nothing to forget when `kvproxy rm|gc` removed entries; the
+        summary is refreshed. Kept for housekeeping's call; always []."""
+        await self.refresh_async()
+        return []
+
+    # --- lookups with no event loop (and tests)
+
+    def lookup(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
+        return self._sync(lambda db: db.longest(keys, namespace))
+
+    def candidates(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
+        """Entries a request could restore, each with the keys it shares with `keys`: the
+        longest match (`lookup`), and every entry that ends exactly at one of the request's
+        boundaries (the request extends it). Index seeks only: no pass over the entries that
+        merely share a prefix (every conversation of an agent shares its system prompt).
+        Deepest first."""
+        return self._sync(lambda db: db.candidates(keys, namespace))
+
+    def recent_with_text(self, namespace: str, limit: int = 8) -> list[str]:
+        """Keys of the most recently used entries of `namespace` whose text was kept: the
+        conversations a miss is compared with (reading every entry's text would not scale)."""
+        return self._sync(lambda db: db.recent_with_text(namespace, limit))
+
+    def set_last_used(self, key: str, when: float) -> None:
+        """Tests and benchmarks: age an entry."""
+        self._sync(lambda db: db.set_last_used(key, when))
+
+    # --- the proxy: changes
+
+    async def open_async(self) -> None:
+        """Create the directory, import old `.idx` records, sweep what no row covers."""
+        self.problems = await self._db(partial(self._open_in, sweep=True))
+        self.ready = True
+        self._log_opened()
+
+    async def commit_async(self, entry: Entry, temp: str) -> Entry:
+        """Commit a finished save (see `StoreFiles.commit`); the committed entry.
+        FileNotFoundError if the server wrote nothing under `temp`."""
+        key = entry.key
+        self._committing[key] = self._committing.get(key, 0) + 1
+        for seen in self._watchers:
+            seen.add(key)
+
+        async def run() -> Entry:
+            try:
+                return await self._commit_steps(entry, temp)
+            finally:
+                left = self._committing.pop(key) - 1
+                if left:
+                    self._committing[key] = left
+
+        return await self._serial((key,), run)
+
+    async def _commit_steps(self, entry: Entry, temp: str) -> Entry:
+        old = await self._db(lambda db: db.delete(entry.key))  # the commit marker goes first
+        committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
+        if committed is None:  # nothing changed on disk: the old entry is still good
+            if old is not None:
+                await self._db(lambda db: db.insert(old))
+            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
+        return await self._db(lambda db: db.insert(committed))
+
+    async def touch_async(self, key: str, hits: int = 1) -> None:
+        """Record a use (for LRU across restarts); an entry gone meanwhile stays gone."""
+        now = time.time()
+        await self._serial((key,), partial(self._db, lambda db: db.touch(key, now, hits)))
+
+    async def remove_async(self, entry: Entry) -> None:
+        """Drop `entry`, if it is still the row indexed under its key (else whoever replaced
+        or removed it has its files in hand)."""
+
+        async def run() -> None:
+            row = await self._db(lambda db: db.delete(entry.key, entry.row_id or None))
+            if row is not None:
+                await asyncio.to_thread(self.files.delete, [row])
+
+        await self._serial((entry.key,), run)
+
+    async def select_victims_async(self, incoming: int = 0) -> list[Entry]:
+        """TTL first, then least recently used until the budget (plus `incoming`) fits:
+        indexed queries, stopping once the budget fits. The victims' rows are gone when this
+        returns; delete their files with `delete_files_async`. Entries pinned for a restore
+        stay; a victim whose key was committed again meanwhile is left out (its files are
+        the new commit's)."""
+        summary, now = self.summary, time.time()
+        if (self.ttl <= 0 or now - summary.oldest <= self.ttl) and (
+            self.max_bytes <= 0 or summary.bytes + incoming <= self.max_bytes
+        ):
+            return []  # the summary is exact as of the last write: nothing to ask
+        pinned = frozenset(self._pinned)
+        seen = set(self._committing)
+        self._watchers.append(seen)
+        try:
+            victims = await self._db(
+                lambda db: db.evict(now, self.ttl, self.max_bytes, pinned, incoming)
+            )
+        finally:
+            self._watchers.remove(seen)
+        return [v for v in victims if v.key not in seen]
+
+    async def delete_files_async(self, victims: list[Entry]) -> None:
+        """Delete the files of entries `select_victims_async` took out of the index."""
+        keys = [e.key for e in victims]
+        await self._serial(keys, partial(asyncio.to_thread, self.files.delete, victims))
+
+    # --- no event loop (kvproxy ls|rm|gc, tests): database and files in the calling thread
+
+    def open(self) -> None:
+        """Create the directory, import old `.idx` records, sweep what no row covers."""
+        self.problems = self._sync(partial(self._open_in, sweep=True))
+        self.ready = True
+        self._log_opened()
+
+    def open_readonly(self) -> list[tuple[str, str]]:
+        """Open the index without sweeping, for `kvproxy ls|rm|gc` while a proxy may be
+        using the directory (a sweep could delete its save in flight). Old `.idx` records are
+        imported (rows only add what they describe). Returns the (key, reason) of records
+        that could not be imported; FileNotFoundError when there is no cache dir."""
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"no cache dir at {self.root}")
+        self.problems = self._sync(partial(self._open_in, sweep=False))
+        self.ready = True
+        return self.problems
+
+    def _open_in(self, db: IndexDB, sweep: bool) -> list[tuple[str, str]]:
+        """The open's work (`kvproxy.store.opening`), on the thread that owns `db`."""
+        return open_index(db, self.files, sweep)
+
+    def commit(self, entry: Entry, temp: str) -> Entry:
+        if not (self.root / temp).exists():
+            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
+        old = self._sync(lambda db: db.delete(entry.key))
+        committed = self.files.commit(entry, temp, old)
+        if committed is None:
+            if old is not None:
+                self._sync(lambda db: db.insert(old))
+            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
+        return self._sync(lambda db: db.insert(committed))
+
+    def remove(self, key: str) -> Entry | None:
+        """Drop an entry: the row goes first, then its files."""
+        row = self._sync(lambda db: db.delete(key))
+        if row is not None:
+            self.files.delete([row])
+        return row
+
+    def remove_damaged(self, key: str) -> None:
+        """Delete the files of a key that has no row (see `open_readonly`)."""
+        if is_key(key) and not self._sync(lambda db: db.contains(key)):
+            self.files.delete_key(key)
+
+    def select_victims(
+        self, now: float | None = None, incoming: int = 0, dry_run: bool = False
+    ) -> list[Entry]:
+        """See `select_victims_async`; the caller deletes the files (`delete_files`). With
+        `dry_run`, the victims are only named: no row changes."""
+        when = time.time() if now is None else now
+        pinned = frozenset(self._pinned)
+        return self._sync(
+            lambda db: db.evict(when, self.ttl, self.max_bytes, pinned, incoming, dry_run)
+        )
+
+    def remove_many(self, entries: list[Entry]) -> list[Entry]:
+        """Drop entries (still as given) in one transaction, then their files; those dropped."""
+        rows = self._sync(lambda db: db.delete_many(entries))
+        self.files.delete(rows)
+        return rows
+
+    def listing(self, query: Listing) -> tuple[list[Entry], Totals]:
+        """See `IndexDB.listing`."""
+        return self._sync(lambda db: db.listing(query))
+
+    def with_prefix(self, prefix: str, limit: int = 50) -> list[Entry]:
+        """Entries whose key starts with the hex `prefix` (an index range)."""
+        return self._sync(lambda db: db.with_prefix(prefix, limit))
+
+    def all_entries(self) -> list[Entry]:
+        """Every entry, least recently used first (`kvproxy rm --all`)."""
+        return self._sync(lambda db: list(db.oldest()))
+
+    def delete_files(self, entries: list[Entry]) -> None:
+        self.files.delete(entries)
+
+    # --- reads and temp clean-up: no index, any thread
+
+    def read_messages(self, key: str) -> list[Any] | None:
+        return self.files.read_messages(key)
+
+    def read_many_messages(self, keys: list[str]) -> list[tuple[str, list[Any]]]:
+        return self.files.read_many_messages(keys)
+
+    def check_state_file(self, entry: Entry) -> str | None:
+        return self.files.check_state_file(entry)
+
+    def verify_checksum(self, entry: Entry) -> str | None:
+        return self.files.verify_checksum(entry)
+
+    def discard_temp(self, temp: str) -> None:
+        self.files.discard_temp(temp)
+
+    def _log_opened(self) -> None:
+        n, size = self.summary.entries, self.summary.bytes
+        log.info("cache dir %s: %d entries, %d bytes", self.root, n, size)

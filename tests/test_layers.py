@@ -1,0 +1,136 @@
+"""The layer rule, checked on every import statement of the package (lazy ones and those under
+TYPE_CHECKING too):
+
+    cli → edge → obs → cache → server → store, http → wire → keys, config
+
+A module imports kvproxy modules of its own layer or of a lower one, never of a higher one:
+requests go down one layer per hop, and nothing imports `cli/`. `wire/`, `keys` and the pure
+policy modules import no I/O module (no aiohttp, asyncio, sqlite3, files, processes), so the
+cache's decisions and the client APIs are tested on plain data. The runtime never imports the
+benchmarks or the fake server (a separate distribution under bench/) except `kvproxy bench`'s
+own `run`, and the fake server imports nothing of kvproxy: it stands for llama-server.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvproxy_fake
+
+import kvproxy
+
+PACKAGE = Path(kvproxy.__file__).parent
+
+# Higher imports lower. Layers of one rank do not import each other.
+RANK = {
+    "cli": 6,
+    "edge": 5,
+    "obs": 4,
+    "cache": 3,
+    "server": 2,
+    "store": 1,
+    "http": 1,
+    "wire": 0,
+    "keys": -1,
+    "config": -1,
+    "__main__": 7,
+}
+PURE = ("kvproxy.wire", "kvproxy.keys", "kvproxy.cache.policy", "kvproxy.cache.pressure")
+IO_MODULES = ("aiohttp", "asyncio", "sqlite3", "socket", "subprocess", "os", "pathlib", "shutil")
+OUTSIDE = ("kvproxy_bench", "kvproxy_fake")
+
+
+def module_name(path: Path, root: Path, top: str) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([top, *parts])
+
+
+def imports(path: Path, name: str) -> list[tuple[str, int, bool]]:
+    """(absolute module imported, line, inside a function) for every import in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[: len(base) - child.level + 1]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                found.append((mod, child.lineno, in_function))
+                # `from kvproxy.x import module` names a module too.
+                found.extend((f"{mod}.{a.name}", child.lineno, in_function) for a in child.names)
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+def layer(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def runtime_modules() -> list[tuple[Path, str]]:
+    return [(p, module_name(p, PACKAGE, "kvproxy")) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_every_runtime_module_is_in_a_layer() -> None:
+    unplaced = [m for _, m in runtime_modules() if m != "kvproxy" and layer(m) not in RANK]
+    assert unplaced == []
+
+
+def test_imports_run_down_the_layers() -> None:
+    names = {m for _, m in runtime_modules()}
+    offenders = []
+    for path, name in runtime_modules():
+        own = layer(name)
+        if name == "kvproxy":
+            continue
+        for target, line, lazy in imports(path, name):
+            if target in OUTSIDE or target.startswith(tuple(o + "." for o in OUTSIDE)):
+                if not (name == "kvproxy.cli.bench" and lazy):
+                    offenders.append(f"{name}:{line} imports {target} (benchmarks or fakes)")
+                continue
+            if target not in names or target == "kvproxy":
+                continue  # a name imported from a module, or not kvproxy's
+            other = layer(target)
+            if other == own:
+                continue
+            if RANK[other] >= RANK[own]:
+                offenders.append(f"{name}:{line} imports {target} ({own} → {other})")
+    assert offenders == []
+
+
+def test_pure_modules_import_no_io() -> None:
+    offenders = []
+    for path, name in runtime_modules():
+        if not name.startswith(PURE):
+            continue
+        for target, line, _ in imports(path, name):
+            top = target.split(".")[0]
+            if top in IO_MODULES:
+                offenders.append(f"{name}:{line} imports {target}")
+            elif top == "kvproxy" and target != "kvproxy" and not target.startswith(PURE):
+                offenders.append(f"{name}:{line} imports {target}")
+    assert offenders == []
+
+
+def test_the_fake_server_imports_nothing_of_kvproxy() -> None:
+    root = Path(kvproxy_fake.__file__).parent
+    offenders = [
+        f"{name}:{line} imports {target}"
+        for path in sorted(root.rglob("*.py"))
+        for name in [module_name(path, root, "kvproxy_fake")]
+        for target, line, _ in imports(path, name)
+        if target.split(".")[0] == "kvproxy"
+    ]
+    assert offenders == []
