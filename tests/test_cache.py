@@ -548,3 +548,31 @@ async def test_a_resident_hit_the_server_barely_reuses_is_counted_and_explained(
     # A good resident turn is not a weak one.
     _, r3, _ = await chat(proxy, then(turn2, r2))
     assert proxy.stats()["weak_hits"] == 1
+
+
+async def test_a_save_then_restore_reads_the_slots_once_before_it_is_forwarded(
+    make: Maker,
+) -> None:
+    """A request that saves what its slot holds and restores its own state in its place asks
+    GET /slots at most once before it is forwarded: the slot is ours meanwhile, and kvproxy's
+    own evaluations (the canonical prefix) leave a state it knows without asking."""
+    fake, proxy = await make(server={"n_slots": 1}, live_window=0)
+    _, r1, _ = await chat(proxy, conv(1))
+    await settle(proxy)
+    await chat(proxy, conv(2))
+    await settle(proxy)
+    before = len(fake.requests)
+    m2 = then(conv(1), r1)
+    status, r2, h = await chat(proxy, m2)
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    sent = [(m, p) for m, p, _ in fake.requests[before:]]
+    forwarded = sent.index(("POST", "/v1/chat/completions"))
+    path = sent[:forwarded]
+    assert ("POST", "/slots/0?action=save") in path  # conversation 2, on the request's path
+    assert ("POST", "/slots/0?action=restore") in path
+    assert path.count(("GET", "/slots")) <= 1, path
+    await settle(proxy)
+    # Nothing kvproxy knows of the slot was lost by not asking: turn 3 finds it resident.
+    _, r3, h3 = await chat(proxy, then(m2, r2))
+    assert h3["X-KVProxy-Cache"] == "resident"
+    assert r3["timings"]["prompt_n"] <= 100

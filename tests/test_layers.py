@@ -134,3 +134,38 @@ def test_the_fake_server_imports_nothing_of_kvproxy() -> None:
         if target.split(".")[0] == "kvproxy"
     ]
     assert offenders == []
+
+
+# Fields that change only through their owner's methods, so what the README says holds: a
+# slot's picture changes in slots.py, a backend's state in backend.py.
+OWNED = {
+    "kvproxy.cache.slots": (
+        "slot",
+        {"holding", "saved", "busy", "last_used", "changed_at", "snapshot", "seen_at"}
+        | {"started_at", "occupant", "saving", "claimed", "taken", "pending"},
+    ),
+    "kvproxy.cache.backend": (
+        "backend",
+        {"enabled", "disk_enabled", "store_open", "model_identity", "model_info"},
+    ),
+}
+
+
+def test_slot_and_backend_fields_change_only_in_their_owners() -> None:
+    offenders = []
+    for path, name in runtime_modules():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            for target in targets:
+                if not isinstance(target, ast.Attribute):
+                    continue
+                owner_text = ast.unparse(target.value).lower()
+                for owner, (word, fields) in OWNED.items():
+                    if name != owner and target.attr in fields and word in owner_text:
+                        offenders.append(f"{name}:{node.lineno}: {ast.unparse(target)}")
+    assert offenders == []

@@ -67,6 +67,14 @@ class Backend:
         # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
         self._no_slots_seen = 0.0
 
+    def refuses_slot_actions(self) -> None:
+        """The server answered a slot action 501 (no --slot-save-path): no saves or restores."""
+        self.disk_enabled = False
+
+    def store_opening(self, opening: bool) -> None:
+        """While the cache dir opens, nothing discovers the server: requests pass through."""
+        self.store_open = not opening
+
     @property
     def model_class(self) -> str:
         return self.model_info.model_class if self.model_info else "unknown"

@@ -89,7 +89,7 @@ class Warmer:
             slot = self._choose()
             if slot is None or not self.pool.try_take(slot):
                 return
-            slot.saving = True  # a request may wait for it rather than evict another (slots.py)
+            slot.begin_background_save()
             await self._save(slot)
 
     async def _save(self, slot: Slot) -> None:

@@ -1,9 +1,9 @@
 """The path one request follows, top to bottom.
 
 A keyed request (`handle_keyed`): the wire adapter turns its body into a Conversation; the
-pool gives it a slot (the one holding its longest prefix, else an idle one); `prepare` gets
-its state into the slot (resident, restored from disk, or cold, saving what the slot held
-first if it would be lost); the body goes out pinned with `id_slot` while the reply is
+pool gives it a slot (the one holding its longest prefix, else an idle one); `prepare`
+(prepare.py) gets its state into the slot (resident, restored from disk, or cold, saving what
+the slot held first if it would be lost); the body goes out pinned with `id_slot` while the reply is
 captured; afterwards the slot is recorded as holding the conversation plus the reply as the
 client will echo it. Requests the cache cannot key go through unkeyed.py.
 """
@@ -18,44 +18,31 @@ from typing import Any
 from aiohttp import web
 
 from kvproxy import keys
-from kvproxy.cache.backend import Backend
 from kvproxy.cache.background_saves import Warmer
-from kvproxy.cache.events import Count, Events, RequestEvent
+from kvproxy.cache.context import CacheContext
+from kvproxy.cache.events import Count, RequestEvent
 from kvproxy.cache.explain import explain_against, why_weak
-from kvproxy.cache.habits import Habits
-from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.leases import Background, Lease
-from kvproxy.cache.openings import Openings
+from kvproxy.cache.leases import Lease
 from kvproxy.cache.policy import (
     Decision,
-    Move,
-    RestoreGuard,
     RestoreVerdict,
-    choose,
-    expected_resident,
     judge_restore,
     judge_reuse,
 )
-from kvproxy.cache.prepared import MISS, Prepared, next_turn_of
+from kvproxy.cache.prepare import Preparer
+from kvproxy.cache.prepared import Prepared
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, QueueFull, Slot
 from kvproxy.cache.unkeyed import Unkeyed, busy_response
-from kvproxy.config import Settings
 from kvproxy.http import bodies as jsonbody
 from kvproxy.http.errors import error_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
-from kvproxy.store import Entry, Store
 from kvproxy.wire import Conversation, NotKeyed, WireAdapter
 from kvproxy.wire.capture import Reply
 
 log = logging.getLogger("kvproxy.cache")
 
-# How long what GET /slots showed after our own last use is trusted for a "resident" claim
-# while no other slot got work (see SlotPool.still_as_seen). A wrong claim costs one slower
-# request, never a wrong answer (the server compares tokens); checking costs a round trip on
-# every request. Slot actions always check first.
-SNAPSHOT_TRUST = 1.0
 # The reply's length when its timings do not say (Responses JSON replies give usage only).
 UNKNOWN_REPLY_TOKENS = 1 << 30
 
@@ -63,30 +50,23 @@ UNKNOWN_REPLY_TOKENS = 1 << 30
 class Conversations:
     def __init__(
         self,
-        settings: Settings,
-        backend: Backend,
-        store: Store,
+        ctx: CacheContext,
         work: SlotWork,
-        events: Events,
-        habits: Habits,
-        guard: RestoreGuard,
-        background: Background,
+        preparer: Preparer,
         unkeyed: Unkeyed,
         warmer: Warmer,
     ) -> None:
+        self.settings = ctx.settings
+        self.backend = ctx.backend
+        self.pool = ctx.backend.pool
+        self.store = ctx.store
+        self.events = ctx.events
+        self.guard = ctx.guard
+        self.background = ctx.background
+        self.work = work
+        self.preparer = preparer
         self.unkeyed = unkeyed
         self.warmer = warmer
-        self.settings = settings
-        self.backend = backend
-        self.pool = backend.pool
-        self.store = store
-        self.work = work
-        self.events = events
-        self.habits = habits
-        self.guard = guard
-        self.background = background
-        self.openings = Openings(backend, store, work, settings)
-        self.learner = HabitLearning(habits, backend, store, background)
 
     # --- keyed requests
 
@@ -136,7 +116,7 @@ class Conversations:
         lease = Lease(self.pool, [slot], self.background)
         try:
             try:
-                prepared = await lease.guarded(self._prepare_or_miss(slot, conv))
+                prepared = await lease.guarded(self.preparer.prepare_or_miss(slot, conv))
             except UpstreamError as exc:
                 # The slot may hold another tenant's tokens and could not be erased.
                 return error_response(
@@ -224,96 +204,6 @@ class Conversations:
             self.background.spawn(self._emit_explained(event, conv, self._resident_texts(conv)))
         else:
             self.events.request(event)
-
-    async def _prepare_or_miss(self, slot: Slot, conv: Conversation) -> Prepared:
-        try:
-            return await self.prepare(slot, conv)
-        except UpstreamError as exc:
-            # The cache could not do its part; the request still goes through, uncached, once
-            # the slot holds nothing of another tenant's (else the UpstreamError is the answer).
-            log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
-            slot.forget()
-            await self.work.admit(slot, conv.tenant)
-            return MISS
-
-    async def prepare(self, slot: Slot, conv: Conversation) -> Prepared:
-        """Get the conversation's state into the slot, as far as kvproxy can."""
-        learnt = self.learner.from_slot(slot, conv)
-        if slot.holding is not None and not self.pool.still_as_seen(slot, SNAPSHOT_TRUST):
-            await self.work.verify(slot)
-        # What the slot holds counts only if the server can serve the request from it.
-        resident = self.openings.resident_depth(slot, conv)
-        # The next turn of what the slot holds (the steady state of every agent loop): no
-        # stored entry could serve more, nor show a new opening. No index query then.
-        next_turn = next_turn_of(slot, conv, resident)
-        found = None
-        if self.backend.disk_enabled and not next_turn:
-            found = await self._lookup(conv)
-        if not learnt and not next_turn:
-            # A rewrite is a habit of the client, not a branch whose opening is worth keeping.
-            await self.openings.observe(conv, self.pool)
-        move = choose(resident, found[1] if found else None, self.guard.allows(conv.namespace))
-        if move is Move.RESTORE:
-            assert found is not None
-            entry = found[0]
-            await self.work.verify(slot)  # a slot action follows: the slot must be idle
-            if self.work.worth_saving(slot, conv.keys):
-                await self.work.save(slot)
-            await self.openings.before_reassign(slot, conv)
-            await self.work.admit(slot, conv.tenant)
-            outcome = await self.work.restore(slot, entry)
-            if outcome is None:
-                return MISS
-            if not self.habits.echo.known(conv.namespace):
-                self.background.spawn(self.learner.from_disk(entry, found[1], conv))
-            n = outcome.n_restored
-            # A new session restored from a shorter opening than the one it shares (seen
-            # since): that one is saved on the way, for the sessions after it.
-            evaluated = await self.openings.prefill(slot, conv, start=found[1])
-            # A request that parts from the entry before its end (a near-end divergence, or any
-            # prefix on a dense model) reuses an unknown part of it: not judged.
-            expected = n if found[1] >= len(entry.chain) else None
-            return Prepared(
-                Decision.RESTORED, n, outcome.ms, expected_n=expected, evaluated=evaluated
-            )
-        if move is Move.USE_RESIDENT:
-            held = slot.holding
-            if held is not None and resident < len(held.chain) and await self.openings.wanted(held):
-                # A new session or a branch parts from the slot's conversation: keep that
-                # conversation, and leave the opening they share on disk and in the slot.
-                await self.work.verify(slot)
-                if self.work.worth_saving(slot, conv.keys):
-                    await self.work.save(slot)
-                await self.openings.before_reassign(slot, conv)
-                resident, held = self.openings.resident_depth(slot, conv), slot.holding
-                if resident == 0:
-                    return MISS
-            expected = (
-                None
-                if held is None
-                else expected_resident(resident, len(held.chain), held.n_tokens)
-            )
-            return Prepared(Decision.RESIDENT, expected_n=expected)
-        if self.work.worth_saving(slot, conv.keys):
-            await self.work.verify(slot)
-            if self.work.worth_saving(slot, conv.keys):
-                await self.work.save(slot)
-        if slot.holding is not None and await self.openings.wanted(slot.holding):
-            await self.work.verify(slot)
-            await self.openings.before_reassign(slot, conv)
-        await self.work.admit(slot, conv.tenant)
-        evaluated = await self.openings.prefill(slot, conv)
-        return Prepared(Decision.MISS, evaluated=evaluated) if evaluated else MISS
-
-    async def _lookup(self, conv: Conversation) -> tuple[Entry, int] | None:
-        # The entry the server will reuse most, by the model class's rule (openings.py).
-        found = await self.openings.pick(conv)
-        # Housekeeping applies the TTL every second; an entry that expired since then is
-        # not restored either (a full eviction pass costs O(entries) per request).
-        if found is not None and self.store.expired(found[0]):
-            await self.work.evict()
-            found = await self.openings.pick(conv)
-        return found
 
     def _judge_restore(self, namespace: str, expected: int | None, reply: Reply | None) -> None:
         timings = (reply.timings if reply is not None else None) or {}

@@ -36,9 +36,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from kvproxy.cache.backend import Backend
 from kvproxy.cache.canonical import prefix as canonical
+from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits import worth_comparing
 from kvproxy.cache.policy import (
     ReuseRule,
@@ -51,9 +52,8 @@ from kvproxy.cache.policy import (
 )
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, Slot, SlotPool
-from kvproxy.config import Settings
 from kvproxy.http.session import UpstreamError
-from kvproxy.store import Entry, Store
+from kvproxy.store import Entry
 from kvproxy.wire import Conversation
 
 log = logging.getLogger("kvproxy.cache")
@@ -66,17 +66,27 @@ SYSTEM_ROLES = ("system", "developer")
 PRESUMED_MIN_CHARS = 4000
 
 
+@dataclass(frozen=True)
+class Found:
+    """What the store holds for a request: the entry the server will reuse most (by the
+    model class's rule) and the entry sharing the most boundaries with it, each with the
+    boundaries it shares."""
+
+    best: tuple[Entry, int] | None
+    longest: tuple[Entry, int] | None
+
+
+NOTHING_FOUND = Found(None, None)
+
+
 class Openings:
-    def __init__(self, backend: Backend, store: Store, work: SlotWork, settings: Settings) -> None:
-        self.backend = backend
-        self.store = store
+    def __init__(self, ctx: CacheContext, work: SlotWork) -> None:
+        self.backend = ctx.backend
+        self.store = ctx.store
+        self.settings = ctx.settings
         self.work = work
-        self.settings = settings
         self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
         self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
-        # The candidates `pick` just found, for `observe` on the same request: the index is a
-        # database on its own thread, and one round trip per request is enough.
-        self._picked: tuple[Conversation, list[tuple[Entry, int]]] | None = None
 
     # --- the model class's rule
 
@@ -99,11 +109,25 @@ class Openings:
             else 0
         )
 
-    async def pick(self, conv: Conversation) -> tuple[Entry, int] | None:
+    async def find(self, conv: Conversation) -> Found:
+        """The stored entries for the request, in one index query (and a second only when
+        the entry found expired since housekeeping last applied the TTL)."""
+        found = await self.store.candidates_async(conv.keys, conv.namespace)
+        best = await self._pick(conv, found)
+        if best is not None and self.store.expired(best[0]):
+            # A full eviction pass costs O(entries): housekeeping runs it every second, and
+            # an entry that expired since is not restored either.
+            await self.work.evict()
+            found = await self.store.candidates_async(conv.keys, conv.namespace)
+            best = await self._pick(conv, found)
+        # candidates() puts the longest match first.
+        return Found(best, found[0] if found else None)
+
+    async def _pick(
+        self, conv: Conversation, found: list[tuple[Entry, int]]
+    ) -> tuple[Entry, int] | None:
         """The stored entry the server will reuse most for the request, by the model class's
         rule (not merely the longest key match), and the boundaries it shares."""
-        found = await self.store.candidates_async(conv.keys, conv.namespace)
-        self._picked = (conv, found)
         rule = self.rule()
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
         i = pick_stored(rule, len(conv.keys), views)
@@ -131,17 +155,9 @@ class Openings:
 
     # --- which boundaries are openings
 
-    async def observe(self, conv: Conversation, pool: SlotPool) -> None:
+    def observe(self, conv: Conversation, pool: SlotPool, stored: tuple[Entry, int] | None) -> None:
         """Note the depth at which the request parts from the known conversation it shares
-        most with, when it does not extend it."""
-        picked, self._picked = self._picked, None
-        if picked is not None and picked[0] is conv:
-            # candidates() puts the longest match first; there is none when it found nothing.
-            stored = picked[1][0] if picked[1] else None
-        elif self.backend.disk_enabled:
-            stored = await self.store.lookup_async(conv.keys, conv.namespace)
-        else:
-            stored = None
+        most with (resident, or `stored`: `Found.longest`), when it does not extend it."""
         best, extends, depth = 0, False, 0
         for slot in pool.holding_namespace(conv.namespace):
             held = slot.holding
@@ -202,21 +218,20 @@ class Openings:
             while len(self._failed) > 1024:
                 del self._failed[next(iter(self._failed))]
 
-    async def prefill(self, slot: Slot, conv: Conversation, start: int = 0) -> int:
-        """A request about to run on `slot` (ours, verified, its content saved if worth it)
-        from the first `start` boundaries the slot holds (0: cold), that passes through a
-        wanted opening deeper than those: evaluate up to the opening first and save it; the
-        request then extends it on the live slot, so this costs it one save, no prefill.
-        Returns the tokens evaluated (the server counts them in the request's cache_n)."""
+    async def prefill_depth(self, conv: Conversation, start: int = 0) -> int:
+        """The wanted opening deeper than its first `start` boundaries (those the slot holds
+        for it; 0: cold) that a request about to run passes through (0: none)."""
         if not self.backend.disk_enabled or len(conv.keys) < 2:
             return 0
-        held = Holding(conv.namespace, list(conv.keys), 0, len(conv.messages), conv.messages)
-        held.template = dict(conv.template)
-        held.n_tokens = 1 << 62  # not known before the prompt is tokenised; no bound
-        depth = await self.wanted(held)
-        if depth <= start:
-            return 0
-        await self.work.verify(slot)  # slot actions follow: the slot must be idle
+        depth = await self.wanted(self._incoming(conv))
+        return depth if depth > start else 0
+
+    async def prefill(self, slot: Slot, conv: Conversation, depth: int, start: int = 0) -> int:
+        """Evaluate the request up to its opening at `depth` (prefill_depth) on `slot` (ours,
+        verified, its content saved if worth it) and save it; the request then extends it on
+        the live slot, so this costs it one save, no prefill. Returns the tokens evaluated
+        (the server counts them in the request's cache_n)."""
+        held = self._incoming(conv)
         before = slot.holding
         # What the slot held is on disk (or not worth keeping); from `start` on it is this
         # request's (hold keeps the restored part's depth).
@@ -230,6 +245,12 @@ class Openings:
                 slot.forget()
             return 0
         return evaluated
+
+    def _incoming(self, conv: Conversation) -> Holding:
+        held = Holding(conv.namespace, list(conv.keys), 0, len(conv.messages), conv.messages)
+        held.template = dict(conv.template)
+        held.n_tokens = 1 << 62  # not known before the prompt is tokenised; no bound
+        return held
 
     async def make(self, slot: Slot, depth: int) -> int | None:
         """Make the slot hold the opening at `depth` and save it: the tokens the server
@@ -266,7 +287,7 @@ class Openings:
             canonical=True,
         )
         slot.hold(opening, saved=False)
-        await self.work.snapshot(slot)
+        slot.evaluated(len(tokens))
         saved = await self.work.save(slot)
         log.info(
             "slot %d: opening %s (%d messages, %d tokens) %s in %.0f ms",

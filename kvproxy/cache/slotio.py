@@ -13,17 +13,14 @@ import time
 from dataclasses import dataclass
 
 from kvproxy import keys
-from kvproxy.cache.backend import Backend
 from kvproxy.cache.canonical import prefix as canonical
-from kvproxy.cache.events import Count, Events, SlotActionEvent
-from kvproxy.cache.habits import Habits
-from kvproxy.cache.leases import Background
-from kvproxy.cache.policy import RestoreGuard, worth_saving
+from kvproxy.cache.context import CacheContext
+from kvproxy.cache.events import Count, SlotActionEvent
+from kvproxy.cache.policy import worth_saving
 from kvproxy.cache.slots import NOBODY, Holding, Slot
-from kvproxy.config import Settings
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.api import Restored
-from kvproxy.store import Entry, Store
+from kvproxy.store import Entry
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -39,24 +36,15 @@ class RestoreOutcome:
 
 
 class SlotWork:
-    def __init__(
-        self,
-        backend: Backend,
-        store: Store,
-        settings: Settings,
-        events: Events,
-        habits: Habits,
-        guard: RestoreGuard,
-        background: Background,
-    ) -> None:
-        self.backend = backend
-        self.client = backend.client
-        self.store = store
-        self.settings = settings
-        self.events = events
-        self.habits = habits
-        self.guard = guard
-        self.background = background
+    def __init__(self, ctx: CacheContext) -> None:
+        self.backend = ctx.backend
+        self.client = ctx.backend.client
+        self.store = ctx.store
+        self.settings = ctx.settings
+        self.events = ctx.events
+        self.habits = ctx.habits
+        self.guard = ctx.guard
+        self.background = ctx.background
         self._disk_error_logged = False
         self.heads = canonical.Heads()  # what the last canonical prefixes tokenised
 
@@ -193,7 +181,7 @@ class SlotWork:
         return True
 
     def _no_slot_actions(self) -> None:
-        self.backend.disk_enabled = False
+        self.backend.refuses_slot_actions()
         log.warning(
             "llama-server has no --slot-save-path: disk cache off (start it with "
             "--slot-save-path %s)",
@@ -236,7 +224,7 @@ class SlotWork:
             chain = keys.chain(ns, messages)
             rewritten = Holding(ns, chain, len(tokens), len(messages), messages, holding.template)
             slot.hold(rewritten, saved=False)
-        await self.snapshot(slot)
+        slot.evaluated(len(tokens))
         slot.mark_canonical()
         log.debug(
             "slot %d: canonical prefix of %s is %d tokens (%s evaluated) in %.0f ms",
@@ -311,7 +299,7 @@ class SlotWork:
         if slot.occupant in (tenant, NOBODY) or not self.backend.disk_enabled:
             # A server that refuses slot actions cannot erase either: it serves as it would
             # without kvproxy, whose pinning picks no slot the server would not reuse anyway.
-            slot.occupant = tenant
+            slot.admit(tenant)
             return
         try:
             await self.client.erase(slot.id)
@@ -319,10 +307,10 @@ class SlotWork:
             if exc.status != 501:
                 raise
             self._no_slot_actions()
-            slot.occupant = tenant
+            slot.admit(tenant)
             return
         slot.forget()
-        slot.occupant = tenant
+        slot.admit(tenant)
 
     # --- the budget
 

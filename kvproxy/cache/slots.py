@@ -158,13 +158,33 @@ class Slot:
         if count_tokens and self.holding is not None and info.n_prompt_tokens is not None:
             self.holding.n_tokens = info.n_prompt_tokens
 
+    def evaluated(self, n_tokens: int) -> None:
+        """kvproxy's own evaluation (`n_predict: 0`) of `n_tokens` on the slot ended: it holds
+        them under a task kvproxy has not seen, as after a request of ours (`ours_ended`), so
+        no GET /slots is needed on the request's path to trust it."""
+        if self.holding is not None:
+            self.holding.n_tokens = n_tokens
+        self.ours_ended(n_tokens, 1)
+
     def restored(self, holding: Holding) -> None:
         """The slot now holds a restored state, also on disk. A restore leaves the slot's
         last task as it was; only the token count moves."""
-        prev_task = self.snapshot[0] if self.snapshot else None
         self.hold(holding, saved=True)
+        if self.pending is not None:
+            # The last task (kvproxy's own evaluation) is still not seen: a newer one than
+            # the snapshot's, now showing the restored tokens.
+            self.pending = (holding.n_tokens, holding.n_tokens)
+            return
+        prev_task = self.snapshot[0] if self.snapshot else None
         self.snapshot = (prev_task, holding.n_tokens if prev_task is not None else None)
-        self.pending = None
+
+    def admit(self, tenant: str | None) -> None:
+        """The server's slot may hold `tenant`'s tokens from now on (see SlotWork.admit)."""
+        self.occupant = tenant
+
+    def begin_background_save(self) -> None:
+        """Taken for a background save: a request may wait for it rather than evict another."""
+        self.saving = True
 
     def mark_started(self) -> None:
         """kvproxy gives the slot a task of its own (a server that wipes idle slots may wipe

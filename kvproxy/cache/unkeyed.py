@@ -14,9 +14,10 @@ import orjson
 from aiohttp import web
 
 from kvproxy import keys
-from kvproxy.cache.backend import REFUSED_STATUSES, Backend
-from kvproxy.cache.events import Events, RequestEvent
-from kvproxy.cache.leases import Background, Lease
+from kvproxy.cache.backend import REFUSED_STATUSES
+from kvproxy.cache.context import CacheContext
+from kvproxy.cache.events import RequestEvent
+from kvproxy.cache.leases import Lease
 from kvproxy.cache.policy import Decision
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import QueueFull, Slot
@@ -30,18 +31,12 @@ log = logging.getLogger("kvproxy.cache")
 
 
 class Unkeyed:
-    def __init__(
-        self,
-        backend: Backend,
-        work: SlotWork,
-        events: Events,
-        background: Background,
-    ) -> None:
-        self.backend = backend
-        self.pool = backend.pool
+    def __init__(self, ctx: CacheContext, work: SlotWork) -> None:
+        self.backend = ctx.backend
+        self.pool = ctx.backend.pool
         self.work = work
-        self.events = events
-        self.background = background
+        self.events = ctx.events
+        self.background = ctx.background
 
     async def handle_pinned(self, request: web.Request, path_qs: str) -> web.StreamResponse:
         body = await request.read()

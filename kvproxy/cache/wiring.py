@@ -19,11 +19,15 @@ from typing import Any
 
 from kvproxy.cache.backend import Backend
 from kvproxy.cache.background_saves import Warmer
+from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Events
 from kvproxy.cache.habits import Habits
+from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.leases import Background
+from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
+from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import QueueFull, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
@@ -46,9 +50,11 @@ class ConversationCache:
         self.habits = Habits()
         self.guard = RestoreGuard()
         self.background = Background()
-        self.work = SlotWork(
-            self.backend, self.store, settings, events, self.habits, self.guard, self.background
+        # The one place every part is built: each gets the context and the parts it uses.
+        ctx = CacheContext(
+            settings, self.backend, self.store, events, self.habits, self.guard, self.background
         )
+        self.work = SlotWork(ctx)
         self.warmer = Warmer(
             self.backend.pool,
             self.work,
@@ -56,19 +62,10 @@ class ConversationCache:
             settings.live_window,
             settings.idle_save_after,
         )
-        self.unkeyed = Unkeyed(self.backend, self.work, events, self.background)
-        self.conversations = Conversations(
-            settings,
-            self.backend,
-            self.store,
-            self.work,
-            events,
-            self.habits,
-            self.guard,
-            self.background,
-            self.unkeyed,
-            self.warmer,
-        )
+        self.unkeyed = Unkeyed(ctx, self.work)
+        self.openings = Openings(ctx, self.work)
+        preparer = Preparer(ctx, self.work, self.openings, HabitLearning(ctx))
+        self.conversations = Conversations(ctx, self.work, preparer, self.unkeyed, self.warmer)
         self._housekeeper: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
         self._habits_written = 0  # habits.changes when they were last written out
@@ -120,7 +117,7 @@ class ConversationCache:
     async def start(self) -> None:
         """Start opening the cache dir and return: the proxy binds its port and serves
         uncached (`backend.store_open` is false) while a large cache opens or imports."""
-        self.backend.store_open = False
+        self.backend.store_opening(True)
         self._started = asyncio.Event()
         self._housekeeper = asyncio.create_task(self._open_then_housekeep(self._started))
 
@@ -138,7 +135,7 @@ class ConversationCache:
         window = self.settings.live_window
         if window > 0:
             self.warmer.recall(await self.store.used_since_async(time.time() - window))
-        self.backend.store_open = True
+        self.backend.store_opening(False)
         try:
             await self.backend.discover()
         except UpstreamError as exc:

@@ -1,0 +1,24 @@
+"""What every part of the cache is given: built once, by `ConversationCache` (wiring.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvproxy.cache.backend import Backend
+from kvproxy.cache.events import Events
+from kvproxy.cache.habits import Habits
+from kvproxy.cache.leases import Background
+from kvproxy.cache.policy import RestoreGuard
+from kvproxy.config import Settings
+from kvproxy.store import Store
+
+
+@dataclass(frozen=True)
+class CacheContext:
+    settings: Settings
+    backend: Backend  # the llama-server: its client, slot pool and model identity
+    store: Store  # the cache dir's index and files
+    events: Events  # what the cache reports (metrics, the request log)
+    habits: Habits  # what each namespace's client does between turns
+    guard: RestoreGuard  # whether restoring still pays, per namespace
+    background: Background  # detached work that outlives the request that started it

@@ -1,0 +1,46 @@
+"""What `prepare` will do for a keyed request, decided on plain data: no I/O, no clock.
+
+`Facts` are what the request's slot, the store and the policy say once the slot is known
+(prepare.py gathers them); `decide` turns them into a `Plan`. Every plan but "use what the
+slot holds" first vacates the slot, in one order: save what would be lost, leave the opening
+it passes through on disk, admit the request's tenant (erasing another tenant's tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvproxy.cache.policy import Move, choose
+
+
+@dataclass(frozen=True)
+class Facts:
+    resident: int  # boundaries of the request the slot serves (0: none)
+    held_depth: int  # boundaries the slot holds (0: nothing known)
+    stored: int | None  # boundaries the best stored entry shares (None: none found)
+    restores_allowed: bool
+    worth_saving: bool  # what the slot holds would be lost, and is worth a file
+    held_opening: bool  # what the slot holds passes through a wanted opening with no entry
+
+
+@dataclass(frozen=True)
+class Plan:
+    move: Move
+    save: bool  # save what the slot holds first
+    leave_opening: bool  # leave its opening on disk (and in the slot) before it changes hands
+    admit: bool  # admit the request's tenant to the slot
+
+    @property
+    def acts_on_slot(self) -> bool:
+        """Slot actions follow: the slot must be idle and verified first."""
+        return self.move is Move.RESTORE or self.save or self.leave_opening
+
+
+def decide(facts: Facts) -> Plan:
+    move = choose(facts.resident, facts.stored, facts.restores_allowed)
+    if move is Move.USE_RESIDENT:
+        # A new session or a branch that parts from the slot's conversation keeps that
+        # conversation, and leaves the opening they share on disk and in the slot.
+        branch = facts.resident < facts.held_depth and facts.held_opening
+        return Plan(move, save=branch and facts.worth_saving, leave_opening=branch, admit=False)
+    return Plan(move, save=facts.worth_saving, leave_opening=facts.held_opening, admit=True)

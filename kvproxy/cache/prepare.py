@@ -1,0 +1,159 @@
+"""Getting a keyed request's state into its slot before it is forwarded: the facts gathered,
+the plan decided (plan.py, on plain data), the plan carried out.
+
+In order: what the slot holds is verified when it is not trusted (at most one GET /slots per
+request before it is forwarded); the store is asked once (`Openings.find`), and the same
+answer shows which boundaries are openings; the plan is decided; the slot is vacated (save,
+opening, admit: the one sequence every plan but "resident" runs); then the state comes back
+(restored from disk) or the request starts cold, passing through a wanted opening first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from kvproxy.cache.context import CacheContext
+from kvproxy.cache.habits.learning import HabitLearning
+from kvproxy.cache.openings import NOTHING_FOUND, Found, Openings
+from kvproxy.cache.plan import Facts, Plan, decide
+from kvproxy.cache.policy import Decision, Move, expected_resident
+from kvproxy.cache.prepared import MISS, Prepared, next_turn_of
+from kvproxy.cache.slotio import SlotWork
+from kvproxy.cache.slots import Slot
+from kvproxy.http.session import UpstreamError
+from kvproxy.wire import Conversation
+
+log = logging.getLogger("kvproxy.cache")
+
+# How long what GET /slots showed after our own last use is trusted for a "resident" claim
+# while no other slot got work (see SlotPool.still_as_seen). A wrong claim costs one slower
+# request, never a wrong answer (the server compares tokens); checking costs a round trip on
+# every request. Slot actions always check first.
+SNAPSHOT_TRUST = 1.0
+
+
+class Preparer:
+    def __init__(
+        self, ctx: CacheContext, work: SlotWork, openings: Openings, learner: HabitLearning
+    ) -> None:
+        self.ctx = ctx
+        self.backend = ctx.backend
+        self.pool = ctx.backend.pool
+        self.work = work
+        self.openings = openings
+        self.learner = learner
+
+    async def prepare_or_miss(self, slot: Slot, conv: Conversation) -> Prepared:
+        try:
+            return await self.prepare(slot, conv)
+        except UpstreamError as exc:
+            # The cache could not do its part; the request still goes through, uncached, once
+            # the slot holds nothing of another tenant's (else the UpstreamError is the answer).
+            log.warning("cache preparation failed on slot %d: %s", slot.id, exc)
+            slot.forget()
+            await self.work.admit(slot, conv.tenant)
+            return MISS
+
+    async def prepare(self, slot: Slot, conv: Conversation) -> Prepared:
+        """Get the conversation's state into the slot (ours), as far as kvproxy can."""
+        learnt = self.learner.from_slot(slot, conv)
+        verified = slot.holding is not None and not self.pool.still_as_seen(slot, SNAPSHOT_TRUST)
+        if verified:
+            await self.work.verify(slot)
+        found = await self._find(slot, conv, observe=not learnt)
+        plan = decide(await self._facts(slot, conv, found))
+        if plan.acts_on_slot and not verified:
+            await self.work.verify(slot)  # the slot must be idle, and hold what we think
+            verified = True
+            plan = decide(await self._facts(slot, conv, found))
+        await self._vacate(slot, conv, plan)
+        if plan.move is Move.RESTORE:
+            return await self._restore(slot, conv, found, verified)
+        if plan.move is Move.USE_RESIDENT:
+            return self._resident(slot, conv, plan)
+        return await self._start_cold(slot, conv, verified)
+
+    async def _find(self, slot: Slot, conv: Conversation, observe: bool) -> Found:
+        resident = self.openings.resident_depth(slot, conv)
+        # The next turn of what the slot holds (the steady state of every agent loop): no
+        # stored entry could serve more, nor show a new opening. No index query then.
+        if next_turn_of(slot, conv, resident):
+            return NOTHING_FOUND
+        found = await self.openings.find(conv) if self.backend.disk_enabled else NOTHING_FOUND
+        if observe:
+            # A rewrite is a habit of the client, not a branch whose opening is worth keeping.
+            self.openings.observe(conv, self.pool, found.longest)
+        return found
+
+    async def _facts(self, slot: Slot, conv: Conversation, found: Found) -> Facts:
+        resident = self.openings.resident_depth(slot, conv)
+        held = slot.holding
+        held_depth = len(held.chain) if held is not None else 0
+        facts = Facts(
+            resident=resident,
+            held_depth=held_depth,
+            stored=found.best[1] if found.best is not None else None,
+            restores_allowed=self.ctx.guard.allows(conv.namespace),
+            worth_saving=self.work.worth_saving(slot, conv.keys),
+            held_opening=False,
+        )
+        if held is None or (resident == held_depth and decide(facts).move is Move.USE_RESIDENT):
+            return facts  # nothing the request does not extend: no opening to leave
+        return replace(facts, held_opening=bool(await self.openings.wanted(held)))
+
+    async def _vacate(self, slot: Slot, conv: Conversation, plan: Plan) -> None:
+        """Before the slot changes hands: what it holds is saved if it would be lost, its
+        opening is left on disk, and the request's tenant is admitted."""
+        if plan.save:
+            await self.work.save(slot)
+        if plan.leave_opening:
+            await self.openings.before_reassign(slot, conv)
+        if plan.admit:
+            await self.work.admit(slot, conv.tenant)
+
+    async def _restore(
+        self, slot: Slot, conv: Conversation, found: Found, verified: bool
+    ) -> Prepared:
+        assert found.best is not None
+        entry, shared = found.best
+        outcome = await self.work.restore(slot, entry)
+        if outcome is None:
+            return MISS
+        if not self.ctx.habits.echo.known(conv.namespace):
+            self.ctx.background.spawn(self.learner.from_disk(entry, shared, conv))
+        # A new session restored from a shorter opening than the one it shares (seen since):
+        # that one is saved on the way, for the sessions after it.
+        evaluated = await self._prefill(slot, conv, shared, verified)
+        # A request that parts from the entry before its end (a near-end divergence, or any
+        # prefix on a dense model) reuses an unknown part of it: not judged.
+        expected = outcome.n_restored if shared >= len(entry.chain) else None
+        return Prepared(
+            Decision.RESTORED,
+            outcome.n_restored,
+            outcome.ms,
+            expected_n=expected,
+            evaluated=evaluated,
+        )
+
+    def _resident(self, slot: Slot, conv: Conversation, plan: Plan) -> Prepared:
+        resident, held = self.openings.resident_depth(slot, conv), slot.holding
+        if plan.leave_opening and resident == 0:
+            return MISS  # the slot could not be cut back to what the request shares
+        expected = (
+            None if held is None else expected_resident(resident, len(held.chain), held.n_tokens)
+        )
+        return Prepared(Decision.RESIDENT, expected_n=expected)
+
+    async def _start_cold(self, slot: Slot, conv: Conversation, verified: bool) -> Prepared:
+        evaluated = await self._prefill(slot, conv, 0, verified)
+        return Prepared(Decision.MISS, evaluated=evaluated) if evaluated else MISS
+
+    async def _prefill(self, slot: Slot, conv: Conversation, start: int, verified: bool) -> int:
+        """Pass through a wanted opening deeper than `start` first: the tokens evaluated."""
+        depth = await self.openings.prefill_depth(conv, start)
+        if depth == 0:
+            return 0
+        if not verified:
+            await self.work.verify(slot)  # slot actions follow: the slot must be idle
+        return await self.openings.prefill(slot, conv, depth, start)
