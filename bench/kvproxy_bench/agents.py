@@ -3,7 +3,7 @@ when installed, or with `--install`) through kvproxy and through llama-server al
 plan: a session's turns 1, 2 after an eviction (other conversations take every slot), 3 after
 a restart of every process, then new sessions (after an eviction, after a restart).
 
-Every request the client makes goes through a recording tap (kvproxy/bench/tap.py) in front
+Every request the client makes goes through a recording tap (bench/kvproxy_bench/tap.py) in front
 of the arm, which reads the server's own numbers from each reply (`cache_n`, `prompt_n`) and
 kvproxy's decision (`X-KVProxy-Cache`).
 

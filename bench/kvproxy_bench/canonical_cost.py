@@ -3,12 +3,12 @@ renders, their tokenisation three ways, and the evaluation on the slot.
 
 Per template and size: one conversation (a system prompt of about `size` tokens) runs
 `repeats + 1` turns in the server's only slot; after each reply the step a save makes runs
-as slotwork does it: the probe renders (`/apply-template`), tokenised (1) every render in
-full, as before tokensplit.py ("all"), (2) the shared head once and the tails apart, as a
-conversation's first save does ("head once"), (3) with the Heads the previous saves left, as
-its later saves do ("with heads"); the three token lists must be identical. Then the
-canonical prefix is evaluated on the slot (`/completion`, n_predict 0). The first turn's
-save only fills the Heads: the medians are over the later ones.
+as kvproxy/cache/slotio.py does it: the probe renders (`/apply-template`), tokenised (1)
+every render in full, as before tokensplit.py ("all"), (2) the shared head once and the
+tails apart, as a conversation's first save does ("head once"), (3) with the Heads the
+previous saves left, as its later saves do ("with heads"); the three token lists must be
+identical. Then the canonical prefix is evaluated on the slot (`/completion`, n_predict 0).
+The first turn's save only fills the Heads: the medians are over the later ones.
 
 Two templates: the model's own (for the bundled Gemma 3 270M, whose GGUF has none, the
 server's ChatML fallback, whose markers are plain text to Gemma: there is no safe seam, so
@@ -148,7 +148,7 @@ async def _measure(
 ) -> Row:
     row = Row(template, size)
     llama = CountingClient(upstream)
-    heads = tokensplit.Heads()  # carried from save to save, as slotwork's is
+    heads = tokensplit.Heads()  # carried from save to save, as slotio's is
     messages = first_turn(size, facts_for(size))
     times: dict[str, list[float]] = {k: [] for k in ("render", "full", "once", "heads", "eval")}
     for turn in range(opts.repeats + 1):

@@ -1,5 +1,5 @@
 """`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents and canonical
-(not in `all`). The flags are defined in kvproxy/cli_bench.py (parsing them imports nothing
+(not in `all`). The flags are defined in kvproxy/cli/bench.py (parsing them imports nothing
 from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a

@@ -74,7 +74,7 @@ Time to first token (TTFT) is the wall time of a non-streamed request with `max_
 OVERHEAD_METHOD = """\
 ## overhead: kvproxy's own cost
 
-The fake llama-server (`kvproxy/testing/fakeserver.py`) answering at once, kvproxy
+The fake llama-server (`bench/kvproxy_fake/server.py`) answering at once, kvproxy
 (`kvproxy serve --upstream`, default settings, log level info), and the benchmark client each
 run as their own process. The client sends every request itself, one at a time, alternating
 direct and proxied, so its own cost and the machine's drift fall on both paths: **added** =

@@ -5,7 +5,7 @@ a `.idx` record per entry, chains of 2-40 keys, `shared` of them opening with on
 prompt), then measures, on this machine:
 
 - the first open, which imports the `.idx` records (once);
-- `kvproxy serve` over the fake llama-server (kvproxy/testing/fakeserver.py): until `/health`
+- `kvproxy serve` over the fake llama-server (bench/kvproxy_fake/server.py): until `/health`
   answers, until the cache is open and on, and its RSS against the same proxy on an empty
   cache dir (per entry);
 - in-process, the store calls the proxy makes: a save's bookkeeping (commit, victim selection,
@@ -169,8 +169,8 @@ def _cli(*argv: str) -> tuple[float, str]:
 
 
 async def _save(store: Store) -> float:
-    """A save's bookkeeping, as slotwork.save does it once the server wrote the file: its
-    seconds."""
+    """A save's bookkeeping, as SlotWork.save (kvproxy/cache/slotio.py) does it once the
+    server wrote the file: its seconds."""
     key = secrets.token_hex(KEY_HEX_LEN // 2)
     temp = store.temp_name(key)
     await asyncio.to_thread((store.root / temp).write_bytes, state_bytes())
@@ -266,8 +266,8 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
     it = iter(picks * 2)
 
     async def restore_check() -> None:
-        """What slotwork.restore does before it asks the server (the use is recorded in
-        the background after it)."""
+        """What SlotWork.restore (kvproxy/cache/slotio.py) does before it asks the server
+        (the use is recorded in the background after it)."""
         entry = next(it)
         store.pin(entry.key)
         try:

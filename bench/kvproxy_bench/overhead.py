@@ -1,5 +1,5 @@
 """`overhead`: kvproxy's own cost against the direct path, on the fake llama-server
-(`kvproxy.testing.fakeserver`, no prompt or token delays: it answers at once), in two modes:
+(`kvproxy_fake.server`, no prompt or token delays: it answers at once), in two modes:
 cache on (the fake answers `/slots`, so every chat request is keyed, pinned and its slot
 checked with `GET /slots`) and pass-through (`--no-slots`: `/slots` answers 501, as a server
 without slots would: kvproxy relays uncached). Slot save/restore answer 501 (no

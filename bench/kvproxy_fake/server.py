@@ -6,11 +6,11 @@ deferral of work sent to busy slots (including the way deferred tasks are popped
 prompt-cache reuse and `timings`, the slot save file format, restore failures erasing the
 slot, the reuse rules of SWA and recurrent models after a restore, SSE chunking and the
 error JSON shape. Tokens are bytes, so tests can reason about token counts exactly (the
-fake model: fakemodel.py; the JSON of each endpoint's replies: fakereplies.py; the slot save
-file format: fakestate.py).
+fake model: model.py; the JSON of each endpoint's replies: replies.py; the slot save file
+format: state.py).
 
 In-process: `async with FakeLlamaServer(...) as fake:` (tests). As a process, answering at once:
-`python -m kvproxy.testing.fakeserver --port P [--no-slots] [--ignore-eos]` (benchmarks). The
+`python -m kvproxy_fake.server --port P [--no-slots] [--ignore-eos]` (benchmarks). The
 proxy runtime never imports this module.
 """
 

@@ -25,7 +25,7 @@ log = logging.getLogger("kvproxy")
 LLAMA_LOGGER = "llama-server"  # llama-server's own lines, relayed (managed.py)
 
 # Modules that add subcommands. They keep heavy imports (matplotlib, aiohttp…) inside their
-# commands; bench's and doctor's flags live outside kvproxy.bench and kvproxy.doctor, so no
+# commands; bench's and doctor's flags live outside kvproxy_bench and kvproxy.server.doctor, so no
 # other command loads them. `serve` imports the proxy (aiohttp, whose import alone loads the
 # system's CA certificates twice) when it runs: `kvproxy ls` needs none of it.
 SUBCOMMANDS = ("kvproxy.cli.doctor", "kvproxy.cli.inventory", "kvproxy.cli.bench")

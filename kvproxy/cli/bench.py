@@ -1,9 +1,9 @@
-"""`kvproxy bench`'s command line, kept out of kvproxy.bench so that building the parser (which
+"""`kvproxy bench`'s command line, kept out of kvproxy_bench so that building the parser (which
 every `kvproxy` command does) imports no benchmark module: `serve` never loads them.
 
-Invariant: this module imports nothing from kvproxy.bench at module level; the benchmarks load
+Invariant: this module imports nothing from kvproxy_bench at module level; the benchmarks load
 when `bench` runs. A scenario flag left out is None and means that scenario's own default (its
-options dataclass in kvproxy.bench), so the defaults live in one place.
+options dataclass in kvproxy_bench), so the defaults live in one place.
 """
 
 from __future__ import annotations

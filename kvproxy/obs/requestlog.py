@@ -60,7 +60,7 @@ class RequestLog:
             )
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
-        del event  # saves and restores are logged where they happen (slotwork.py)
+        del event  # saves and restores are logged where they happen (kvproxy/cache/slotio.py)
 
     def on_count(self, what: Count, n: int) -> None:
         del what, n

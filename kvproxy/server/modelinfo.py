@@ -1,6 +1,7 @@
 """What kind of memory a GGUF model gives llama-server, read from the file's metadata.
 
-The class decides how a restored slot state can be reused (see DESIGN.md):
+The class decides how a restored slot state can be reused (llama.cpp's
+tools/server/server-context.cpp, which keeps no context checkpoints across a restore):
 
 - `dense`: full attention; any common prefix is reused.
 - `swa`: sliding-window attention; nothing is reused after a restore unless the server

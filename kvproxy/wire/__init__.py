@@ -2,7 +2,8 @@
 the cache can key (or says why it cannot), writes the body pinned to a slot, and captures
 the reply from the bytes relayed back. It knows no aiohttp server internals and no slots.
 
-Chat completions now; Anthropic Messages and OpenAI Responses plug in here next.
+Chat completions (chat.py), Anthropic Messages (messages.py, with the conversion in
+anthropic.py) and OpenAI Responses (responses.py).
 """
 
 from __future__ import annotations
