@@ -763,7 +763,7 @@ async def _serve(fake: FakeLlamaServer, port: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m kvproxy.testing.fakeserver",
+        prog="python -m kvproxy_fake.server",
         description="A fake llama-server that answers at once (no prompt or token delays).",
     )
     parser.add_argument("--port", type=int, required=True)

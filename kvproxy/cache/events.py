@@ -67,7 +67,7 @@ class SlotActionEvent:
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    background: bool = False  # a save no request waited for (warm.py)
+    background: bool = False  # a save no request waited for (background_saves.py)
 
 
 class Listener(Protocol):

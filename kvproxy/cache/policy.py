@@ -3,8 +3,8 @@
 For each keyed request: use what the slot holds, restore a longer prefix from disk, or start
 cold (`choose`); whether what a slot holds is worth a save before it is lost
 (`worth_saving`); whether a restore was reused by the server (`judge_restore`), and when
-restoring stops paying for a namespace (`RestoreGuard`). The orchestration in
-conversations.py asks; slotwork.py does the I/O.
+restoring stops paying for a namespace (`RestoreGuard`). The plan (plan.py) and
+prepare.py ask; slotio.py does the I/O.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def choose(resident_depth: int, stored_depth: int | None, restores_allowed: bool
     return Move.START_COLD
 
 
-# --- which state serves a request, by model class (DESIGN.md: "Restored SWA states only serve
-# shallow divergences"). A state restored from disk has no context checkpoints: dense models
-# reuse any common prefix of it; sliding-window ones (--swa-full) only a divergence near its
-# end; recurrent and hybrid ones only a prompt that extends it. A live state (computed on the
-# slot) is not limited by this.
+# --- which state serves a request, by model class (measured on llama-server: restored SWA
+# states only serve shallow divergences). A state restored from disk has no context
+# checkpoints: dense models reuse any common prefix of it; sliding-window ones (--swa-full)
+# only a divergence near its end; recurrent and hybrid ones only a prompt that extends it. A
+# live state (computed on the slot) is not limited by this.
 
 RestoreRule = Literal["prefix", "window", "extension"]
 

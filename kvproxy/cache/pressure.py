@@ -7,7 +7,7 @@ fsync, rename and index write all run before that request is forwarded. Measured
 bundled model, 1,400-token conversations (2 cores, load 8-11, `kvproxy bench workload`,
 2026-12-01): the canonical prefix took 250-950 ms, and as long as the other slot's whole
 prefill when one ran meanwhile (the server evaluates it in its next batch); the server's save
-of the 12 MB state 50-300 ms (10-20 ms for 21 MB on a quiet machine, DESIGN.md). Agents come
+of the 12 MB state 50-300 ms (10-20 ms for 21 MB on a quiet machine). Agents come
 back within 0.5-3 s (tool loops), so the 30-second idle save never ran first, while such a
 save fits well inside an agent's gap, and back to back the next request takes the other,
 least recently used slot, so the save overlaps it instead of preceding it.

@@ -195,7 +195,7 @@ class SlotWork:
 
     async def _make_canonical(self, slot: Slot) -> None:
         """Make the slot hold exactly the prefix the conversation's next request starts with
-        (see canonical.py), so the saved state is reused on every model class. Best effort:
+        (see canonical/prefix.py), so the saved state is reused on every model class. Best effort:
         when it cannot be done the slot is saved as it is."""
         holding = slot.holding
         assert holding is not None

@@ -71,7 +71,7 @@ class Slot:
     # The tenant whose tokens the server's slot may hold, whatever kvproxy knows of them
     # (`forget` keeps it): another tenant's request may only run there once it is erased.
     occupant: str | None = ANYONE
-    # Taken for a background save (warm.py): soon idle, its content then on disk.
+    # Taken for a background save (background_saves.py): soon idle, its content then on disk.
     saving: bool = False
     # Its own conversation's next turn waits for it during a background save: the save gives
     # way unless its state write is already sent (the turn finds its state resident anyway,
@@ -121,7 +121,7 @@ class Slot:
         self.saved = True
 
     def mark_canonical(self) -> None:
-        """The slot now holds exactly its conversation's canonical prefix (canonical.py)."""
+        """The slot now holds exactly its conversation's canonical prefix (canonical/prefix.py)."""
         if self.holding is not None:
             self.holding.canonical = True
 

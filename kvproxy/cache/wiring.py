@@ -1,11 +1,11 @@
 """The conversation cache, wired together: one llama-server (backend.py), the disk store,
-the slot work, and the request path (conversations.py); its life cycle and housekeeping.
+the slot work, and the request path (keyed.py); its life cycle and housekeeping.
 
-Saves happen in the background (warm.py: idle slots under slot pressure, or after an idle
-while), at eviction when no background save came first, on shutdown (write-back), or after
-every reply (write-through). Housekeeping runs every second on the event loop: it notices
-entries removed by `kvproxy rm|gc`, checks the server is still the one it knows, applies
-the TTL and the byte budget, and looks for idle slots to save.
+Saves happen in the background (background_saves.py: idle slots under slot pressure, or
+after an idle while), at eviction when no background save came first, on shutdown
+(write-back), or after every reply (write-through). Housekeeping runs every second on the
+event loop: it notices entries removed by `kvproxy rm|gc`, checks the server is still the one
+it knows, applies the TTL and the byte budget, and looks for idle slots to save.
 """
 
 from __future__ import annotations

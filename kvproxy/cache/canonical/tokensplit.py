@@ -2,7 +2,7 @@
 where the server's tokeniser provably starts afresh. The result is what tokenising each text
 in full gives; whenever a check below fails, each text is tokenised in full.
 
-The canonical prefix (canonical.py) tokenises a few renders of one conversation that differ
+The canonical prefix (prefix.py) tokenises a few renders of one conversation that differ
 only after its last message or two, so tokenising each in full repeats thousands of tokens;
 and a conversation's next save renders the same text again plus a turn or two. So the head
 is tokenised once per save, and `Heads` keeps the last heads so that a later save tokenises

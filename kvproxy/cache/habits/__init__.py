@@ -37,7 +37,7 @@ class Habits:
 
     @property
     def changes(self) -> int:
-        """Grows whenever something was learnt: the cue to write them out (dirfiles.py)."""
+        """Grows whenever something was learnt: the cue to write them out (store/dirfiles.py)."""
         return self.echo.changes + self.rewrites.changes
 
     def to_json(self) -> dict[str, Any]:
