@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from kvproxy_fake.model import default_reply
+from kvproxy_fake.model import default_reply, render_chat
 
 from kvproxy.store import DB_NAME
 
@@ -313,19 +313,43 @@ async def test_a_slot_wiped_before_its_save_commits_no_empty_state(make: Maker) 
     assert body["choices"][0]["message"]["content"] == "Echo: next question"
 
 
-async def test_cancelled_stream_leaves_no_false_picture(make: Maker) -> None:
-    fake, proxy = await make(server={"token_delay": 0.05})
+async def hang_up_mid_reply(proxy: RunningProxy, messages: list[dict]) -> None:
+    """A user's Esc or Ctrl-C: the client reads the reply's first event and hangs up."""
     async with aiohttp.ClientSession() as s:
         resp = await s.post(
-            proxy.url + "/v1/chat/completions", json={"messages": conv(1), "stream": True}
+            proxy.url + "/v1/chat/completions", json={"messages": messages, "stream": True}
         )
         await resp.content.readline()
         resp.close()
+
+
+async def test_an_interrupted_turn_keeps_its_prompt_in_the_slot(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.05})
+    await hang_up_mid_reply(proxy, conv(1))
     await asyncio.sleep(0.3)
     await settle(proxy)
-    assert all(s.holding is None for s in proxy.cache.pool.slots)
-    status, _, h = await chat(proxy, conv(1))
-    assert status == 200 and h["X-KVProxy-Cache"] == "miss"
+    # The request's line is reported (499, as a client that closed), and the next turn,
+    # which starts with the interrupted prompt, is served from the slot.
+    assert proxy.stats()["requests_by_status"].get("4xx") == 1
+    nxt = [*conv(1), {"role": "assistant", "content": "Ec"}, {"role": "user", "content": "go on"}]
+    status, r, h = await chat(proxy, nxt)
+    assert status == 200 and h["X-KVProxy-Cache"] == "resident"
+    assert r["timings"]["cache_n"] >= len(render_chat(conv(1))) - 20
+    assert r["timings"]["prompt_n"] <= 100
+    assert fake.deferred_actions == 0
+
+
+async def test_an_interrupted_turn_is_saved_when_its_slot_is_needed(make: Maker) -> None:
+    fake, proxy = await make(server={"token_delay": 0.05, "n_slots": 1}, live_window=0)
+    await hang_up_mid_reply(proxy, conv(1))
+    await asyncio.sleep(0.3)
+    await settle(proxy)
+    await chat(proxy, conv(2))  # takes the only slot: conversation 1's prompt is saved first
+    await settle(proxy)
+    nxt = [*conv(1), {"role": "assistant", "content": "Ec"}, {"role": "user", "content": "go on"}]
+    status, r, h = await chat(proxy, nxt)
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    assert r["timings"]["cache_n"] / prompt_tokens(r) > 0.9
     assert fake.deferred_actions == 0
 
 

@@ -43,6 +43,8 @@ from kvproxy.wire.capture import Reply
 
 log = logging.getLogger("kvproxy.cache")
 
+# The status a request's log line and metrics show when its client hung up mid-reply (nginx's).
+CLIENT_CLOSED = 499
 # The reply's length when its timings do not say (Responses JSON replies give usage only).
 UNKNOWN_REPLY_TOKENS = 1 << 30
 
@@ -141,7 +143,7 @@ class Conversations:
                 if reply is not None and reply.complete:
                     self._record(request, slot, conv, adapter, lease, prepared, reply, 200, times)
                 else:
-                    slot.forget()  # cut off mid-reply: the slot holds something we cannot name
+                    self._interrupted(request, slot, conv, prepared, times)
                 raise
             except BaseException:
                 slot.forget()
@@ -153,6 +155,39 @@ class Conversations:
             return result.response
         finally:
             lease.release()
+
+    def _interrupted(
+        self,
+        request: web.Request,
+        slot: Slot,
+        conv: Conversation,
+        prepared: Prepared,
+        times: tuple[float, float],
+    ) -> None:
+        """The client hung up mid-reply (a user's Esc or Ctrl-C): the slot still holds the
+        request's prompt, and what was generated of the reply. The client's next turn starts
+        with that prompt, so the slot is recorded as holding it: resident for that turn, or
+        saved when the slot is needed. How many tokens it holds is what the server shows
+        once its task has ended (the next check of the slot asks); a server that never
+        started the task shows the old one, and the slot is then forgotten."""
+        held = Holding(conv.namespace, list(conv.keys), 0, len(conv.messages), list(conv.messages))
+        held.template = dict(conv.template)
+        slot.hold(held, saved=False)
+        slot.ours_ended(0, UNKNOWN_REPLY_TOKENS)
+        started, queue_wait = times
+        self.events.request(
+            RequestEvent(
+                route=request.path,
+                decision=prepared.decision,
+                status=CLIENT_CLOSED,
+                key=conv.keys[-1],
+                slot=slot.id,
+                queue_wait_s=queue_wait,
+                duration_s=time.perf_counter() - started,
+                restored_tokens=prepared.restored_tokens,
+                restore_ms=prepared.restore_ms,
+            )
+        )
 
     def _record(
         self,
