@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import subprocess
 import sys
 from typing import Any
@@ -29,6 +30,13 @@ def test_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     s = load_settings({"port": "9100", "ttl": "90m", "write_through": True})
     assert s.port == 9100 and s.ttl == 5400 and s.write_through
     assert int(s.max_disk) == 2 * 1024**3
+
+
+def test_version_flag_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"kvproxy {importlib.metadata.version('kvproxy')}\n"
 
 
 def test_every_setting_is_a_flag() -> None:
