@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pip caches the wheel, so later installs on the same machine take seconds.
 export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
-.PHONY: install run test lint
+.PHONY: install run test test-fast lint
 
 $(VENV)/.installed: pyproject.toml bench/pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,11 @@ run: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Everything but the real llama-server's end-to-end tests (`-m real`): a couple of minutes.
+test-fast: install
+	$(PY) -m pytest -m "not real" $(PYTEST_ARGS)
+
+# ruff, its formatter, and mypy strict on the package, the benchmarks and the tests.
 lint: install
 	$(VENV)/bin/ruff check kvproxy bench tests examples
 	$(VENV)/bin/ruff format --check kvproxy bench tests examples

@@ -88,7 +88,9 @@ async def make(tmp_path: Path) -> AsyncIterator[Maker]:
     """Start a fake server and a proxy on a shared cache dir, with options for each."""
     started: list[Any] = []
 
-    async def _make(server: dict | None = None, **proxy_opts: Any):
+    async def _make(
+        server: dict[str, Any] | None = None, **proxy_opts: Any
+    ) -> tuple[FakeLlamaServer, RunningProxy]:
         cache = tmp_path / f"cache{len(started)}"
         cache.mkdir(mode=0o700)
         fake = FakeLlamaServer(slot_save_path=cache, **(server or {}))

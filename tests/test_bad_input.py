@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import aiohttp
 import orjson
@@ -41,7 +42,9 @@ BODY = st.fixed_dictionaries(
 )
 
 
-async def post_raw(url: str, data: bytes, headers: dict | None = None) -> tuple[int, bytes]:
+async def post_raw(
+    url: str, data: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     async with (
         aiohttp.ClientSession() as s,
         s.post(
@@ -65,7 +68,7 @@ async def test_fuzzed_chat_bodies(make: Maker) -> None:
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(BODY)
-    def one(body: dict) -> None:
+    def one(body: dict[str, Any]) -> None:
         status, raw = asyncio.run_coroutine_threadsafe(
             post_raw(proxy.url, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)), loop
         ).result(30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -19,16 +19,26 @@ from .conftest import Maker, RunningProxy, committed, start_proxy
 from .fakeserver import FakeLlamaServer
 
 
-def conv(n: int, length: int = 300) -> list[dict]:
+def conv(n: int, length: int = 300) -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": f"System prompt of conversation {n}. " + "pad " * length},
         {"role": "user", "content": f"first question {n}"},
     ]
 
 
+class Served(Protocol):
+    """What `chat` needs of a proxy: where it listens (a RunningProxy, or one in another
+    process)."""
+
+    url: str
+
+
 async def chat(
-    proxy: RunningProxy, messages: list[dict], headers: dict | None = None, **extra: Any
-) -> tuple[int, dict, dict[str, str]]:
+    proxy: Served,
+    messages: list[dict[str, Any]],
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> tuple[int, dict[str, Any], dict[str, str]]:
     async with (
         aiohttp.ClientSession() as s,
         s.post(
@@ -43,7 +53,9 @@ async def chat(
         return r.status, orjson.loads(raw), dict(r.headers)
 
 
-def then(messages: list[dict], reply: dict, text: str = "next question") -> list[dict]:
+def then(
+    messages: list[dict[str, Any]], reply: dict[str, Any], text: str = "next question"
+) -> list[dict[str, Any]]:
     msg = reply["choices"][0]["message"]
     echoed = {"role": "assistant", "content": msg.get("content")}
     if msg.get("tool_calls"):
@@ -51,11 +63,12 @@ def then(messages: list[dict], reply: dict, text: str = "next question") -> list
     return [*messages, echoed, {"role": "user", "content": text}]
 
 
-def prompt_tokens(body: dict) -> int:
-    return body["timings"]["cache_n"] + body["timings"]["prompt_n"]
+def prompt_tokens(body: dict[str, Any]) -> int:
+    timings: dict[str, int] = body["timings"]
+    return timings["cache_n"] + timings["prompt_n"]
 
 
-def actions(fake: FakeLlamaServer, kind: str) -> list:
+def actions(fake: FakeLlamaServer, kind: str) -> list[tuple[str, int, str | None, bool]]:
     return [a for a in fake.actions if a[0] == kind]
 
 
@@ -271,8 +284,8 @@ async def test_proxy_restart_restores_from_disk(make: Maker, tmp_path: Path) -> 
     fake, proxy = await make()
     r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2)}
     await proxy.stop()  # graceful: both resident conversations are saved
-    assert len(list(fake.slot_save_path.glob("*.kv"))) == 2
-    again = await start_proxy(fake.url, fake.slot_save_path)
+    assert len(list(fake.save_dir.glob("*.kv"))) == 2
+    again = await start_proxy(fake.url, fake.save_dir)
     assert len(again.cache.store.entries) == 2  # both rows were committed
     try:
         for slot in fake.slots:  # the server restarted too: its slots are empty

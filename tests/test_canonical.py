@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeAlias
 
 from kvproxy.cache.canonical import prefix as canonical
+from kvproxy.http.session import UpstreamError
 
 from .conftest import Maker, start_proxy
 from .fakeserver import FakeLlamaServer, render_chat
@@ -15,7 +17,7 @@ from .test_cache import chat, conv, settle
 NEW = "and the next question?"
 
 
-def ending_in_whitespace(messages: list[dict]) -> str:
+def ending_in_whitespace(messages: list[dict[str, Any]]) -> str:
     return "Here is my answer.  \n"
 
 
@@ -25,7 +27,7 @@ def new_turn_bound(text: str = NEW) -> int:
     return len(render_chat([{"role": "user", "content": text}])) + len("<end_of_turn>\n") + 8
 
 
-def trimmed_echo(reply: dict) -> dict:
+def trimmed_echo(reply: dict[str, Any]) -> dict[str, Any]:
     msg = reply["choices"][0]["message"]
     return {"role": "assistant", "content": msg["content"].strip()}
 
@@ -120,7 +122,10 @@ async def test_no_canonical_prefix_without_a_template(make: Maker) -> None:
     """A server that cannot render the probes: the slot is saved as it is, still restorable."""
     fake, proxy = await make()
 
-    proxy.cache.upstream.post_json = _failing_on("/apply-template", proxy.cache.upstream.post_json)
+    # A test double on this one session (patched for the proxy's life, which ends with the test).
+    proxy.cache.upstream.post_json = _failing_on(  # type: ignore[method-assign]
+        "/apply-template", proxy.cache.upstream.post_json
+    )
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)
     assert completions_n_predict_0(fake) == []
@@ -129,10 +134,14 @@ async def test_no_canonical_prefix_without_a_template(make: Maker) -> None:
     assert h["X-KVProxy-Cache"] == "restored" and r["timings"]["cache_n"] > 300
 
 
-def _failing_on(path: str, post_json: Any) -> Any:
+# Upstream.post_json: (path, body, timeout) -> the parsed reply.
+PostJson: TypeAlias = Callable[..., Coroutine[Any, Any, Any]]
+
+
+def _failing_on(path: str, post_json: PostJson) -> PostJson:
     async def wrapped(p: str, body: Any, *args: Any) -> Any:
         if p == path:
-            raise canonical.UpstreamError(f"{path}: 500", status=500)
+            raise UpstreamError(f"{path}: 500", status=500)
         return await post_json(p, body, *args)
 
     return wrapped
@@ -165,7 +174,7 @@ def test_media_conversations_are_not_rendered() -> None:
     assert canonical.renderable([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
 
 
-def leading_newline(messages: list[dict]) -> str:
+def leading_newline(messages: list[dict[str, Any]]) -> str:
     return "\nA reply that starts on a new line, as some models write them."
 
 
@@ -175,7 +184,7 @@ async def test_a_verbatim_client_gets_the_whole_reply_once_seen(make: Maker) -> 
     client echo verbatim, the saved prefix takes in the whole reply."""
     fake, proxy = await make(server={"reuse": "extend", "reply": leading_newline})
 
-    async def returning_turn(c: int) -> dict:
+    async def returning_turn(c: int) -> dict[str, Any]:
         first = conv(c)
         _, r1, _ = await chat(proxy, first)
         msg = r1["choices"][0]["message"]
@@ -189,7 +198,8 @@ async def test_a_verbatim_client_gets_the_whole_reply_once_seen(make: Maker) -> 
         await settle(proxy)
         _, r, h = await chat(proxy, turn2)
         assert h["X-KVProxy-Cache"] == "restored"
-        return r["timings"]
+        timings: dict[str, Any] = r["timings"]
+        return timings
 
     before = await returning_turn(10)  # not seen yet: the whole reply is prefilled again
     assert before["prompt_n"] > new_turn_bound() + 40, before

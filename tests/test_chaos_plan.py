@@ -59,6 +59,7 @@ def test_a_probe_reads_across_tenants_when_it_reuses_more_than_everyone_shares()
 
 def test_answers_that_part_at_the_servers_own_tie_are_told_apart() -> None:
     # The server alone answered "abX", kvproxy "abY": at "X" its top two were 0.001 apart.
+    tokens: list[tuple[bytes, float, float | None]]
     tokens = [(b"a", -1.0, -3.0), (b"b", -1.0, -2.0), (b"X", -4.5, -4.501)]
     assert parts_at_a_tie(tokens, "abY", "abX") == pytest.approx(0.001)
     # Clearly decided where they part: a real difference, whatever ties come after it.
@@ -167,7 +168,7 @@ def _result(*broken: Outcome) -> chaos.ChaosResult:
 def test_the_command_fails_when_a_promise_breaks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, broken: tuple[Outcome, ...], code: int
 ) -> None:
-    from kvproxy_bench import command
+    from kvproxy_bench import arms, command
 
     from kvproxy import cli
 
@@ -175,7 +176,7 @@ def test_the_command_fails_when_a_promise_breaks(
         assert (opts.seed, opts.faults) == (7, 10)
         return _result(*broken)
 
-    monkeypatch.setattr(command.BenchEnv, "create", staticmethod(lambda *a: object()))
+    monkeypatch.setattr(arms.BenchEnv, "create", staticmethod(lambda *a: object()))
     monkeypatch.setattr(command, "header", lambda env, argv: {})
     monkeypatch.setattr(command, "header_lines", lambda head: [])
     monkeypatch.setattr(chaos, "run_chaos", run_chaos)

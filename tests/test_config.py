@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from kvproxy.cli import build_parser, load_settings, main
+from kvproxy.cli import build_parser, main
+from kvproxy.cli.flags import load_settings
 from kvproxy.config import Settings
 
 
@@ -28,8 +32,16 @@ def test_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert int(s.max_disk) == 2 * 1024**3
 
 
+def test_version_flag_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"kvproxy {importlib.metadata.version('kvproxy')}\n"
+
+
 def test_every_setting_is_a_flag() -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    serve = sub.choices["serve"]
     flags = {opt for action in serve._actions for opt in action.option_strings}
     for name in Settings.model_fields:
         if name != "server_args":
@@ -39,7 +51,7 @@ def test_every_setting_is_a_flag() -> None:
 def test_server_args_after_double_dash(monkeypatch: pytest.MonkeyPatch) -> None:
     captured = {}
 
-    def fake_load(cli: dict) -> Settings:
+    def fake_load(cli: dict[str, Any]) -> Settings:
         captured.update(cli)
         raise SystemExit(0)
 
@@ -59,7 +71,9 @@ def test_server_args_after_double_dash(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--upstream", "not a url"], {}, "--upstream"),
     ],
 )
-def test_invalid_values_fail_with_one_line(args: list[str], env: dict, needle: str) -> None:
+def test_invalid_values_fail_with_one_line(
+    args: list[str], env: dict[str, str], needle: str
+) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvproxy.cli", "serve", *args],
         capture_output=True,

@@ -57,7 +57,7 @@ async def test_a_new_proxy_trusts_no_slot_the_server_kept(make: Maker) -> None:
     await chat(proxy, conv(2), headers=ALICE)
     await settle(proxy)
     await proxy.stop()
-    again = await start_proxy(fake.url, fake.slot_save_path)
+    again = await start_proxy(fake.url, fake.save_dir)
     try:
         for n in (1, 2):
             status, body, h = await chat(again, conv(n), headers=BOB)
@@ -88,7 +88,7 @@ async def test_a_state_restored_into_a_slot_no_task_ran_on_is_not_taken_for_empt
     await chat(proxy, conv(3), headers=ALICE)  # conversation 1 goes to disk
     await settle(proxy)
     await proxy.stop()
-    name = next(p.name for p in fake.slot_save_path.glob("*.kv"))
+    name = next(p.name for p in fake.save_dir.glob("*.kv"))
     await fake.stop()
     again_fake = FakeLlamaServer(slot_save_path=fake.slot_save_path)  # a fresh server
     await again_fake.start()
@@ -97,7 +97,7 @@ async def test_a_state_restored_into_a_slot_no_task_ran_on_is_not_taken_for_empt
             url = f"{again_fake.url}/slots/0?action=restore"
             async with s.post(url, json={"filename": name}) as r:
                 assert r.status == 200
-        again = await start_proxy(again_fake.url, again_fake.slot_save_path)
+        again = await start_proxy(again_fake.url, again_fake.save_dir)
         try:
             status, body, h = await chat(again, conv(1), headers=BOB)
             assert status == 200 and body["timings"]["cache_n"] == 0

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -221,7 +222,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise AssertionError(f"{url} never became healthy: {log.read_text()[-3000:]}")
 
 
-def chat(url: str, body: dict) -> tuple[str, dict]:
+def chat(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     request = urllib.request.Request(
         url + "/v1/chat/completions",
         data=json.dumps(body).encode(),

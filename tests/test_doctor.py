@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,13 +21,15 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
     return {c.name: c for c in checks}
 
 
-def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, dict]]:
+def doctor_json(
+    capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, dict[str, dict[str, Any]]]:
     code = main(["doctor", "--json", *args])
     out = capsys.readouterr().out
     return code, {c["name"]: c for c in json.loads(out)}
 
 
-async def run_doctor(fake: FakeLlamaServer, cache: Path, **extra: object) -> dict[str, Check]:
+async def run_doctor(fake: FakeLlamaServer, cache: Path, **extra: Any) -> dict[str, Check]:
     settings = Settings(upstream=fake.url, cache_dir=cache, **extra)
     return by_name(await diagnose(settings))
 

@@ -16,10 +16,11 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any, cast
 
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessage
+from openai.types.chat import ChatCompletionMessage, ChatCompletionMessageParam
 
 from kvproxy.config import Settings
 
@@ -105,7 +106,7 @@ async def test_a_tool_round_goes_back_through_kvproxy(rproxy: RunningProxy) -> N
     message = ChatCompletionMessage.model_validate(
         {"role": "assistant", "content": None, "tool_calls": [call]}
     )
-    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
     tools.add_tool_round(messages, message)
     assert messages[1]["tool_calls"][0]["id"] == "call_1"
     assert messages[2] == {
@@ -120,7 +121,11 @@ async def test_a_tool_round_goes_back_through_kvproxy(rproxy: RunningProxy) -> N
     async with client:
         for _ in range(2):
             raw = await client.chat.completions.with_raw_response.create(
-                model="local", messages=messages, tools=tools.TOOLS, max_tokens=8
+                # the example's history: plain dicts, as the SDK takes them
+                model="local",
+                messages=cast("list[ChatCompletionMessageParam]", messages),
+                tools=tools.TOOLS,
+                max_tokens=8,
             )
             raw.parse()
             verdicts.append(raw.headers["x-kvproxy-cache"])

@@ -7,6 +7,7 @@ import logging
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -26,7 +27,7 @@ SYSTEM = (
 T1, T2 = "2026-11-29 12:01:07", "2026-11-29 12:03:44"
 
 
-def turn(ts: str, question: str = "What changed since yesterday?") -> list[dict]:
+def turn(ts: str, question: str = "What changed since yesterday?") -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": SYSTEM.format(ts=ts)},
         {"role": "user", "content": question},
@@ -83,8 +84,12 @@ def test_unrelated_or_extending_conversations_explain_nothing() -> None:
 
 
 def test_tool_calls_and_parts_compare_as_rendered_text() -> None:
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-    base = [
+    call: dict[str, Any] = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"a": 1}'},
+    }
+    base: list[dict[str, Any]] = [
         {"role": "system", "content": [{"type": "text", "text": "A long enough system prompt."}]},
         {"role": "assistant", "content": None, "tool_calls": [call]},
     ]
@@ -150,8 +155,8 @@ async def test_restart_miss_is_explained_from_disk(
     fake, proxy = await make()
     await chat(proxy, turn(T1))
     await proxy.stop()  # graceful: the conversation is saved, with its text
-    [entry_text] = list(fake.slot_save_path.glob("*.msgs"))
-    again = await start_proxy(fake.url, fake.slot_save_path)
+    [entry_text] = list(fake.save_dir.glob("*.msgs"))
+    again = await start_proxy(fake.url, fake.save_dir)
     try:
         for slot in fake.slots:
             slot.tokens.clear()
@@ -183,7 +188,7 @@ async def test_another_tenants_conversation_never_explains(
 # --- the conversation's text on disk (what explains misses after a restart)
 
 
-def _commit(store: Store, messages: list[dict] | None) -> Entry:
+def _commit(store: Store, messages: list[dict[str, Any]] | None) -> Entry:
     chain = keys.chain(NS, [{"role": "user", "content": "m0"}])
     temp = store.temp_name(chain[-1])
     (store.root / temp).write_bytes(state_bytes(10))

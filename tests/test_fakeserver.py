@@ -62,15 +62,19 @@ async def post(
 
 
 async def chat(
-    http: aiohttp.ClientSession, server: FakeLlamaServer, messages: list[dict], **extra: Any
-) -> dict:
+    http: aiohttp.ClientSession,
+    server: FakeLlamaServer,
+    messages: list[dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:
     status, body = await post(http, server, "/v1/chat/completions", {"messages": messages, **extra})
     assert status == 200, body
-    return body
+    reply: dict[str, Any] = body
+    return reply
 
 
 async def stream_events(
-    http: aiohttp.ClientSession, server: FakeLlamaServer, path: str, body: dict
+    http: aiohttp.ClientSession, server: FakeLlamaServer, path: str, body: dict[str, Any]
 ) -> list[tuple[float, Any]]:
     """(arrival time, parsed data or "[DONE]") for every SSE event.
 
@@ -105,7 +109,7 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     raise AssertionError("condition not reached")
 
 
-def chat_prompt(messages: list[dict]) -> list[int]:
+def chat_prompt(messages: list[dict[str, Any]]) -> list[int]:
     return tokenize(render_chat(messages), add_special=True)
 
 
@@ -383,6 +387,7 @@ async def test_busy_slot_queues_requests(
     second = asyncio.create_task(chat(http, server, USER, id_slot=0))
     await until(lambda: server.deferred_tasks == 1)
     assert not second.done() and not first.done()
+    r2: dict[str, Any]
     _, r2 = await asyncio.gather(first, second)
     assert r2["timings"]["cache_n"] == len(chat_prompt(USER)) - 1
     assert server.deferred_actions == 0
@@ -548,7 +553,7 @@ async def test_sidecar(
 # ----------------------------------------------------------------------------- model classes
 
 
-def _turns() -> tuple[list[dict], list[dict]]:
+def _turns() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     turn1 = [{"role": "user", "content": "first question"}]
     turn2 = [
         *turn1,
@@ -663,7 +668,7 @@ async def test_deferred_tasks_are_popped_one_per_release(
     whose id_slot names that slot; slot actions carry id_slot -1, so a deferred action for a
     busy slot can be popped, fail again, and leave a runnable completion waiting."""
 
-    def reply(messages: list[dict]) -> str:
+    def reply(messages: list[dict[str, Any]]) -> str:
         return "x" * 40 if "long" in messages[-1]["content"] else "ok"
 
     server = await make_server(token_delay=0.01, reply=reply)

@@ -46,15 +46,15 @@ async def test_full_disk_commits_nothing_and_keeps_serving(
         assert status == 200 and body["choices"][0]["message"]["content"].startswith("Echo:")
     await settle(proxy)
     assert proxy.stats()["save_failures"] >= 3
-    assert files(fake.slot_save_path) == []  # partial files removed ...
-    assert rows(fake.slot_save_path) == set()  # ... nothing committed
+    assert files(fake.save_dir) == []  # partial files removed ...
+    assert rows(fake.save_dir) == set()  # ... nothing committed
     assert len([r for r in caplog.records if "save of slot" in r.getMessage()]) == 1
     fake.fail_saves = False  # space comes back: saving resumes
     await chat(proxy, conv(6))
     await settle(proxy)
     # The conversation 6 evicted, on its path, and 6 itself in the background (its slot went
     # idle under pressure); 5's save had failed, so only a request's eviction retries it.
-    assert len(rows(fake.slot_save_path)) == 2
+    assert len(rows(fake.save_dir)) == 2
 
 
 async def spawn_proxy(upstream: str, cache: Path, port: int) -> subprocess.Popen[bytes]:

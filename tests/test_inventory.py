@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -23,7 +24,7 @@ from .test_store import state_bytes
 NS = keys.namespace("m", {}, None)
 
 
-async def filled(make: Maker) -> tuple[RunningProxy, Path, dict]:
+async def filled(make: Maker) -> tuple[RunningProxy, Path, dict[int, dict[str, Any]]]:
     """A proxy whose cache dir holds three saved conversations (the proxy still runs): the
     ones evicted (background saves off, so exactly those)."""
     _fake, proxy = await make(live_window=0)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvproxy import keys
 
 
-def chain(messages: list[dict], request: dict | None = None, tenant: str | None = None):
+def chain(
+    messages: list[dict[str, Any]], request: dict[str, Any] | None = None, tenant: str | None = None
+) -> list[str]:
     ns = keys.namespace("model-a", request or {}, tenant)
     return keys.chain(ns, messages)
 
@@ -27,7 +31,7 @@ def test_every_message_boundary_has_a_prefix_key() -> None:
 
 
 def test_empty_content_forms_are_the_same() -> None:
-    forms = [None, "", []]
+    forms: list[object] = [None, "", []]
     results = {tuple(chain([{"role": "assistant", "content": f}])) for f in forms}
     assert len(results) == 1
 
@@ -49,7 +53,7 @@ def test_text_parts_key_like_the_joined_string() -> None:
 
 
 def test_tool_call_arguments_compare_as_json() -> None:
-    def call(args: str) -> dict:
+    def call(args: str) -> dict[str, Any]:
         return {
             "role": "assistant",
             "content": None,
@@ -70,7 +74,7 @@ def test_tool_call_arguments_compare_as_json() -> None:
         {"reasoning_effort": "high"},
     ],
 )
-def test_prompt_shaping_fields_change_the_namespace(change: dict) -> None:
+def test_prompt_shaping_fields_change_the_namespace(change: dict[str, Any]) -> None:
     assert chain([USER], change) != chain([USER])
 
 
@@ -106,7 +110,7 @@ def test_tenant_comes_from_header_or_bearer() -> None:
     "bad",
     [["not a message"], [{"role": 3, "content": "x"}], [{"role": "user", "content": 5}]],
 )
-def test_unkeyable_messages_raise(bad: list) -> None:
+def test_unkeyable_messages_raise(bad: list[Any]) -> None:
     with pytest.raises(keys.UnkeyableRequest):
         chain(bad)
 

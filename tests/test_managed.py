@@ -12,13 +12,18 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeAlias
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from kvproxy.server.managed import free_port
 
 pytestmark = pytest.mark.real
+
+# The running `kvproxy serve --model default`: its process, port, llama-server URL and log.
+Managed: TypeAlias = tuple[subprocess.Popen[str], int, str, Path]
 
 
 def wait_ready(proc: subprocess.Popen[str], log: Path, port: int, timeout: float = 240) -> str:
@@ -62,7 +67,7 @@ def start_managed(cache: Path, log: Path, port: int) -> subprocess.Popen[str]:
 
 
 @pytest.fixture
-def managed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, str, Path]]:
+def managed(tmp_path: Path) -> Iterator[Managed]:
     port = free_port()
     log = tmp_path / "kvproxy.log"
     proc = start_managed(tmp_path / "cache", log, port)
@@ -95,9 +100,9 @@ def server_alive(url: str) -> bool:
         return False
 
 
-def test_serve_default_answers_like_the_server_and_stops_it(managed) -> None:
+def test_serve_default_answers_like_the_server_and_stops_it(managed: Managed) -> None:
     proc, port, server_url, log = managed
-    messages = [{"role": "user", "content": "Count to five."}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count to five."}]
     answers = []
     for base in (f"http://127.0.0.1:{port}/v1", server_url + "/v1"):
         client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
@@ -123,7 +128,7 @@ def test_serve_default_answers_like_the_server_and_stops_it(managed) -> None:
     assert not server_alive(server_url), "llama-server outlived kvproxy"
 
 
-def test_server_death_exits_nonzero_with_its_last_lines(managed) -> None:
+def test_server_death_exits_nonzero_with_its_last_lines(managed: Managed) -> None:
     proc, port, server_url, log = managed
     pid = server_pid(server_url.rsplit(":", 1)[1])
     os.kill(pid, signal.SIGKILL)
@@ -163,7 +168,7 @@ def test_a_server_that_cannot_start_is_reported(tmp_path: Path) -> None:
 
 
 def test_a_server_left_by_a_killed_kvproxy_is_stopped_at_the_next_start(
-    managed, tmp_path: Path
+    managed: Managed, tmp_path: Path
 ) -> None:
     proc, port, server_url, log = managed
     pid = server_pid(server_url.rsplit(":", 1)[1])

@@ -189,7 +189,9 @@ def sse(chunks: list[dict[str, Any]]) -> bytes:
     return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extra: Any) -> dict:
+def chunk(
+    delta: dict[str, Any] | None = None, finish: str | None = None, **extra: Any
+) -> dict[str, Any]:
     choice = {"finish_reason": finish, "index": 0, "delta": delta or {}}
     return {"choices": [choice], "id": "chatcmpl-1", "model": "m", **extra}
 
@@ -283,7 +285,7 @@ async def post(base: str, body: dict[str, Any]) -> tuple[int, dict[str, str], by
         return r.status, dict(r.headers), await r.read()
 
 
-SHAPES = [
+SHAPES: list[dict[str, Any]] = [
     {"system": "Be brief. " * 30, "messages": [{"role": "user", "content": "Say hello."}]},
     {
         "system": [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,7 +19,7 @@ from .test_cache import actions, chat, conv, settle, then
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-async def scrape(proxy: RunningProxy, headers: dict | None = None) -> tuple[int, str]:
+async def scrape(proxy: RunningProxy, headers: dict[str, str] | None = None) -> tuple[int, str]:
     async with (
         aiohttp.ClientSession() as s,
         s.get(proxy.url + "/metrics", headers=headers or {}) as r,
@@ -42,9 +43,10 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     )
 
 
-async def stats(proxy: RunningProxy) -> dict:
+async def stats(proxy: RunningProxy) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.get(proxy.url + "/kvproxy/stats") as r:
-        return await r.json()
+        body: dict[str, Any] = await r.json()
+        return body
 
 
 async def until_requests(proxy: RunningProxy, n: int) -> Samples:

@@ -5,6 +5,7 @@ restore, `reuse="extend"` for recurrent models)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,7 +87,7 @@ def test_a_resident_state_from_disk_serves_what_its_class_allows() -> None:
 SYSTEM = "You are an agent. " + "Follow the rules. " * 230  # ~4,200 characters
 
 
-def session(n: int, system: str = SYSTEM) -> list[dict]:
+def session(n: int, system: str = SYSTEM) -> list[dict[str, Any]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": f"task {n}"}]
 
 
@@ -180,7 +181,7 @@ async def test_a_deeper_shared_opening_is_saved_on_the_way_from_a_shorter_one(
     fake, proxy = await make({"reuse": "extend", "n_ctx": 16384})
     context = {"role": "user", "content": "<environment_context>cwd /w " + "x " * 300}
 
-    def codex(n: int) -> list[dict]:
+    def codex(n: int) -> list[dict[str, Any]]:
         return [session(n)[0], context, {"role": "user", "content": f"task {n}"}]
 
     async def crowd(n: int) -> None:

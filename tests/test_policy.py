@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,7 +46,7 @@ def test_a_restore_never_replaces_at_least_as_much_in_the_slot(
 
 
 def decide(h: HeldView | None, incoming: list[str] | None = None, **kw: object) -> bool:
-    opts: dict = {"disk_enabled": True, "restores_allowed": True, "min_tokens": 256, **kw}
+    opts: dict[str, Any] = {"disk_enabled": True, "restores_allowed": True, "min_tokens": 256, **kw}
     return worth_saving(h, incoming=incoming, **opts)
 
 

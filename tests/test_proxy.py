@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -20,7 +21,7 @@ class EchoUpstream:
     """A stand-in server that records what arrives and answers in controlled ways."""
 
     def __init__(self) -> None:
-        self.seen: list[dict] = []
+        self.seen: list[dict[str, Any]] = []
         self.sent_at: list[float] = []
         self.cancelled = asyncio.Event()
         app = web.Application(client_max_size=1 << 30)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 import aiohttp
 import orjson
@@ -23,7 +24,7 @@ from kvproxy.http.relay import send
 from kvproxy.server.managed import free_port
 
 from .agents import CLAUDE_CODE, CODEX, client_env, install
-from .conftest import RunningProxy, start_proxy, start_real_server
+from .conftest import RealServer, RunningProxy, start_proxy, start_real_server
 
 pytestmark = pytest.mark.real
 
@@ -100,8 +101,12 @@ async def take_both_slots(url: str) -> None:
         await asyncio.gather(*(one(s, n) for n in (101, 102, 103)))
 
 
+# A real llama-server, kvproxy in front of it, and what kvproxy reported.
+Stack: TypeAlias = tuple[RealServer, RunningProxy, "Recorder"]
+
+
 @pytest.fixture
-async def stack(tmp_path: Path) -> Any:
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     extra = ("--cache-ram", "0", "--swa-full", "-n", MAX_OUTPUT)
@@ -127,7 +132,7 @@ def table(client: str, rows: list[tuple[str, list[Turn]]]) -> None:
 
 
 async def test_claude_code_turns_come_back_after_other_conversations(
-    stack: Any, tmp_path: Path
+    stack: Stack, tmp_path: Path
 ) -> None:
     server, proxy, recorder = stack
     claude = await asyncio.to_thread(install, CLAUDE_CODE)
@@ -175,7 +180,11 @@ def codex_config(home: Path, base_url: str) -> None:
 
 
 async def codex_two_turns(
-    codex: Path, base_url: str, home: Path, between: Any, seen: Any
+    codex: Path,
+    base_url: str,
+    home: Path,
+    between: Callable[[], Awaitable[None]],
+    seen: Callable[[], Awaitable[list[Turn]]],
 ) -> list[tuple[str, list[Turn]]]:
     home.mkdir()
     codex_config(home, base_url)
@@ -193,7 +202,9 @@ async def codex_two_turns(
     return rows
 
 
-async def test_codex_turns_come_back_and_beat_the_server_alone(stack: Any, tmp_path: Path) -> None:
+async def test_codex_turns_come_back_and_beat_the_server_alone(
+    stack: Stack, tmp_path: Path
+) -> None:
     server, proxy, recorder = stack
     codex = await asyncio.to_thread(install, CODEX)
 
@@ -246,7 +257,7 @@ class ResponsesTap:
         self.upstream = upstream
         self.sink = sink
         self.url = ""
-        self._runner: Any = None
+        self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         async def forward(request: web.Request) -> web.StreamResponse:

@@ -17,14 +17,18 @@ from .conftest import RealServer, committed, start_proxy, start_real_server
 pytestmark = pytest.mark.real
 
 
-async def chat(base: str, messages: list[dict], **extra: Any) -> tuple[dict, dict[str, str]]:
+async def chat(
+    base: str, messages: list[dict[str, Any]], **extra: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
     body = {"messages": messages, "temperature": 0, "max_tokens": 12, **extra}
     async with aiohttp.ClientSession() as s, s.post(base + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
         return await r.json(), dict(r.headers)
 
 
-def next_turn(messages: list[dict], reply: dict, text: str) -> list[dict]:
+def next_turn(
+    messages: list[dict[str, Any]], reply: dict[str, Any], text: str
+) -> list[dict[str, Any]]:
     answer = reply["choices"][0]["message"]
     return [
         *messages,
@@ -33,9 +37,9 @@ def next_turn(messages: list[dict], reply: dict, text: str) -> list[dict]:
     ]
 
 
-def reuse(replies: list[dict]) -> float:
-    cached = sum(r["timings"]["cache_n"] for r in replies)
-    total = sum(r["timings"]["cache_n"] + r["timings"]["prompt_n"] for r in replies)
+def reuse(replies: list[dict[str, Any]]) -> float:
+    cached: int = sum(r["timings"]["cache_n"] for r in replies)
+    total: int = sum(r["timings"]["cache_n"] + r["timings"]["prompt_n"] for r in replies)
     return cached / total
 
 

@@ -36,7 +36,7 @@ def model_for(kind: str, tiny_models: dict[str, Path]) -> tuple[Path, tuple[str,
     return tiny_models[kind], ("--cache-ram", "0")
 
 
-def first_messages(n: int) -> list[dict]:
+def first_messages(n: int) -> list[dict[str, Any]]:
     # ~700 tokens: past Gemma's 512-token sliding window, quick on every model here.
     return [
         {"role": "system", "content": system_prompt(n, n_facts=30)},
@@ -44,18 +44,18 @@ def first_messages(n: int) -> list[dict]:
     ]
 
 
-async def post(base: str, path: str, body: dict) -> tuple[dict, dict[str, str]]:
+async def post(base: str, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     async with aiohttp.ClientSession() as s, s.post(base + path, json=body) as r:
         assert r.status == 200, await r.text()
         return await r.json(), dict(r.headers)
 
 
-async def chat(base: str, messages: list[dict]) -> tuple[dict, dict[str, str]]:
+async def chat(base: str, messages: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
     body = {"messages": messages, "temperature": 0, "max_tokens": 64, "grammar": GRAMMAR}
     return await post(base, "/v1/chat/completions", body)
 
 
-async def n_tokens(server: str, messages: list[dict], generation_prompt: bool) -> int:
+async def n_tokens(server: str, messages: list[dict[str, Any]], generation_prompt: bool) -> int:
     rendered, _ = await post(
         server,
         "/apply-template",
@@ -67,7 +67,9 @@ async def n_tokens(server: str, messages: list[dict], generation_prompt: bool) -
     return len(tokens["tokens"])
 
 
-def trimmed_turn2(messages: list[dict], reply: dict, n: int) -> list[dict]:
+def trimmed_turn2(
+    messages: list[dict[str, Any]], reply: dict[str, Any], n: int
+) -> list[dict[str, Any]]:
     content = reply["choices"][0]["message"]["content"]
     assert content == REPLY  # the grammar made the model say it, whitespace included
     return [
@@ -77,7 +79,7 @@ def trimmed_turn2(messages: list[dict], reply: dict, n: int) -> list[dict]:
     ]
 
 
-async def new_message_tokens(server: str, turn2: list[dict]) -> int:
+async def new_message_tokens(server: str, turn2: list[dict[str, Any]]) -> int:
     """Tokens of turn 2's prompt beyond the conversation as the client echoed it."""
     return await n_tokens(server, turn2, True) - await n_tokens(server, turn2[:-1], False)
 
@@ -95,7 +97,7 @@ def print_table() -> Iterator[None]:
         )
 
 
-def record(kind: str, case: str, reply: dict, headers: dict[str, str], new: int) -> None:
+def record(kind: str, case: str, reply: dict[str, Any], headers: dict[str, str], new: int) -> None:
     t = reply["timings"]
     RESULTS.append(
         {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -22,7 +23,7 @@ SYSTEM = "You are a careful assistant for a warehouse team. " + " ".join(
 )
 
 
-def session(question: str, system: str = SYSTEM) -> list[dict]:
+def session(question: str, system: str = SYSTEM) -> list[dict[str, Any]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 

@@ -8,12 +8,13 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from .conftest import RealServer, RunningProxy, start_proxy
 
 pytestmark = pytest.mark.real
 
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are a concise assistant."},
     {"role": "user", "content": "Name three colours of the rainbow."},
 ]
@@ -26,7 +27,9 @@ async def rproxy(real_server: RealServer, tmp_path: Path) -> AsyncIterator[Runni
     await running.stop()
 
 
-async def chat(base: str, stream: bool, messages: list[dict] = MESSAGES) -> str:
+async def chat(
+    base: str, stream: bool, messages: list[ChatCompletionMessageParam] = MESSAGES
+) -> str:
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     async with client:
         if not stream:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ CONTEXT = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nchannel: cli, turn {t}\n<<<END
 REMINDER = "\n\nTo suggest changes to a file you MUST return the entire content of the file."
 
 
-def openclaw(t: int) -> tuple[list[dict], list[dict]]:
+def openclaw(t: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(what the request adds, what stays in the history after it). The context message as
     OpenClaw 2026.9.6 sends it: a list of text parts."""
     ask = {"role": "user", "content": f"Tell me fact {t}."}
@@ -28,7 +29,7 @@ def openclaw(t: int) -> tuple[list[dict], list[dict]]:
     return [ask, context], [ask]
 
 
-def aider(t: int) -> tuple[list[dict], list[dict]]:
+def aider(t: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     ask = f"Change line {t}."
     return [{"role": "user", "content": ask + REMINDER}], [{"role": "user", "content": ask}]
 

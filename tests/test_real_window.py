@@ -6,6 +6,8 @@ states the server would not reuse."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import pytest
 
@@ -25,10 +27,11 @@ async def test_a_restored_swa_state_serves_a_divergence_within_its_window(
     rule = reuse_rule(info.model_class, info.n_swa)
     async with aiohttp.ClientSession() as s:
 
-        async def post(path: str, body: dict) -> dict:
+        async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
             async with s.post(real_server.url + path, json=body) as r:
                 assert r.status == 200, await r.text()
-                return await r.json()
+                reply: dict[str, Any] = await r.json()
+                return reply
 
         text = " ".join(f"w{i}" for i in range(700))
         state = (await post("/tokenize", {"content": text}))["tokens"][:1000]

@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from .conftest import RunningProxy, start_proxy
 
@@ -63,7 +64,7 @@ async def breaking_proxy(cache_dir: Path) -> AsyncIterator[RunningProxy]:
         server.close()
 
 
-MESSAGES = [{"role": "user", "content": "Say hello."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
 
 
 async def test_a_broken_off_stream_is_a_complete_response_ending_in_an_error_event(
@@ -89,7 +90,7 @@ async def test_the_openai_sdk_reads_the_error_event_as_an_api_error(
     client = openai.AsyncOpenAI(base_url=breaking_proxy.url + "/v1", api_key="x", max_retries=0)
     stream = await client.chat.completions.create(
         model="any",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         stream=True,
     )
     pieces = []

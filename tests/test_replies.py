@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from kvproxy.wire.capture import ReplyCapture
 
 
-def sse(*chunks: dict) -> bytes:
+def sse(*chunks: dict[str, Any]) -> bytes:
     return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
-def delta(d: dict, finish: str | None = None, **extra: object) -> dict:
+def delta(d: dict[str, Any], finish: str | None = None, **extra: object) -> dict[str, Any]:
     return {"choices": [{"index": 0, "delta": d, "finish_reason": finish}], **extra}
 
 

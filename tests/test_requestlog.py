@@ -6,12 +6,15 @@ import asyncio
 import logging
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import pytest
 
 from kvproxy.cache.events import MissExplanation, RequestEvent
-from kvproxy.cli import load_settings, setup_logging
+from kvproxy.cache.policy import Decision
+from kvproxy.cli import setup_logging
+from kvproxy.cli.flags import load_settings
 from kvproxy.obs.requestlog import JsonFormatter, format_request, request_fields
 
 from .conftest import Maker, RunningProxy
@@ -23,7 +26,7 @@ KEY = "3fa9c1e2b7d04e5f8a9b0c1d2e3f4a5b"
 def test_plain_line() -> None:
     event = RequestEvent(
         route="/v1/chat/completions",
-        decision="restored",
+        decision=Decision.RESTORED,
         status=200,
         key=KEY,
         slot=1,
@@ -38,15 +41,15 @@ def test_plain_line() -> None:
         "chat 3fa9c1e2b7d0 restored slot=1 restored=1432tok/6.1ms cache_n=1432 prompt_n=31 "
         "saved≈4.2s status=200 1.83s"
     )
-    bypass = RequestEvent("/v1/messages", "bypass", 502, duration_s=0.05)
+    bypass = RequestEvent("/v1/messages", Decision.BYPASS, 502, duration_s=0.05)
     assert format_request(bypass) == "/v1/messages bypass status=502 0.05s"
-    waited = RequestEvent("/chat/completions", "miss", 200, KEY, 0, queue_wait_s=0.5)
+    waited = RequestEvent("/chat/completions", Decision.MISS, 200, KEY, 0, queue_wait_s=0.5)
     assert format_request(waited) == "chat 3fa9c1e2b7d0 miss slot=0 wait=0.50s status=200 0.00s"
 
 
 def test_json_formatter_carries_the_fields() -> None:
     miss = MissExplanation(0, 57, "…12:0‖3:44…", "…12:0‖1:07…", "slot 1")
-    event = RequestEvent("/v1/chat/completions", "miss", 200, KEY, 1, cache_n=0, miss=miss)
+    event = RequestEvent("/v1/chat/completions", Decision.MISS, 200, KEY, 1, cache_n=0, miss=miss)
     record = logging.makeLogRecord(
         {"name": "kvproxy.request", "levelno": 20, "levelname": "INFO", "msg": "line"}
     )
@@ -63,7 +66,8 @@ def test_json_formatter_carries_the_fields() -> None:
     assert "RuntimeError: boom" in orjson.loads(JsonFormatter().format(failed))["exc"]
 
 
-async def request_lines(caplog: pytest.LogCaptureFixture, proxy: RunningProxy, n: int) -> list:
+async def request_lines(caplog: pytest.LogCaptureFixture, proxy: RunningProxy, n: int) -> list[Any]:
+    """The log records of the request lines (LogRecords with a `fields` attribute set)."""
     for _ in range(300):
         await settle(proxy)
         lines = [r for r in caplog.records if r.name == "kvproxy.request"]

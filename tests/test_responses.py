@@ -422,7 +422,7 @@ def test_streamed_reply_is_read_from_the_completed_event_with_its_timings() -> N
     timings = {"cache_n": 1201, "prompt_n": 33, "prompt_ms": 80.0, "predicted_n": 9}
     completed = server_response([MESSAGE_OUT], cached=1201, total=1234)
     del completed["completed_at"], completed["object"]
-    events = [
+    events: list[dict[str, Any]] = [
         {"type": "response.created", "response": {"id": "resp_x", "status": "in_progress"}},
         {"type": "response.output_text.delta", "item_id": "msg_abc", "delta": "Two"},
         {"type": "response.output_text.delta", "item_id": "msg_abc", "delta": " files. "},

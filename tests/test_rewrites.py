@@ -132,7 +132,9 @@ def test_rewriting_never_touches_messages_the_rule_does_not_name(
 # --- through the proxy, with a recurrent model's reuse rule
 
 
-async def turn(proxy: RunningProxy, messages: list[dict]) -> tuple[dict, dict[str, str]]:
+async def turn(
+    proxy: RunningProxy, messages: list[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, str]]:
     status, body, headers = await chat(proxy, messages)
     assert status == 200, body
     return body, headers
@@ -158,11 +160,11 @@ async def crowd_out(proxy: RunningProxy, rounds: int) -> None:
     await settle(proxy)
 
 
-def reply_of(body: dict) -> dict[str, str]:
+def reply_of(body: dict[str, Any]) -> dict[str, str]:
     return assistant(body["choices"][0]["message"]["content"])
 
 
-def bound(*new: dict) -> int:
+def bound(*new: dict[str, Any]) -> int:
     """What a later turn may prefill: its new messages as rendered, the reply's closing
     marker, and a handful."""
     return len(render_chat(list(new))) + len("<end_of_turn>\n") + 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -16,7 +17,7 @@ from .conftest import Maker, start_proxy
 from .test_cache import chat, conv, settle
 
 
-async def get(url: str, headers: dict | None = None) -> tuple[int, dict]:
+async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     async with aiohttp.ClientSession() as s, s.get(url, headers=headers or {}) as r:
         return r.status, await r.json(content_type=None)
 

@@ -236,6 +236,13 @@ class FakeLlamaServer:
         self._next_id = 0
         self._runner: web.AppRunner | None = None
 
+    @property
+    def save_dir(self) -> Path:
+        """`slot_save_path` of a server started with one (the tests' and benchmarks' case)."""
+        if self.slot_save_path is None:
+            raise RuntimeError("this fake server has no --slot-save-path")
+        return self.slot_save_path
+
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self, port: int = 0) -> str:

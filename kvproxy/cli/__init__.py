@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import importlib.metadata
 import logging
 import logging.handlers
 import queue
@@ -34,11 +35,20 @@ LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"
 
 
+def version() -> str:
+    """The installed distribution's version (its metadata: what pip and the index show)."""
+    try:
+        return importlib.metadata.version("kvproxy")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvproxy",
         description="Caching reverse proxy for llama.cpp's llama-server.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
