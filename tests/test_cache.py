@@ -326,7 +326,7 @@ async def test_a_slot_wiped_before_its_save_commits_no_empty_state(make: Maker) 
     assert body["choices"][0]["message"]["content"] == "Echo: next question"
 
 
-async def hang_up_mid_reply(proxy: RunningProxy, messages: list[dict]) -> None:
+async def hang_up_mid_reply(proxy: RunningProxy, messages: list[dict[str, Any]]) -> None:
     """A user's Esc or Ctrl-C: the client reads the reply's first event and hangs up."""
     async with aiohttp.ClientSession() as s:
         resp = await s.post(

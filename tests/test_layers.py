@@ -167,5 +167,5 @@ def test_slot_and_backend_fields_change_only_in_their_owners() -> None:
                 owner_text = ast.unparse(target.value).lower()
                 for owner, (word, fields) in OWNED.items():
                     if name != owner and target.attr in fields and word in owner_text:
-                        offenders.append(f"{name}:{node.lineno}: {ast.unparse(target)}")
+                        offenders.append(f"{name}:{target.lineno}: {ast.unparse(target)}")
     assert offenders == []

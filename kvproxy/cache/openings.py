@@ -275,6 +275,7 @@ class Openings:
             timings = await self.work.client.evaluate(slot.id, tokens)
         except UpstreamError as exc:
             log.warning("cutting slot %d to its opening failed: %s", slot.id, exc)
+            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
             await self.work.verify(slot)
             return None
         opening = Holding(

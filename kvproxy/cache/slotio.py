@@ -71,7 +71,10 @@ class SlotWork:
             # A cancelled request may still be winding down; a slot action now would be
             # deferred by the server, which can hang later requests.
             if time.monotonic() > deadline:
-                raise UpstreamError(f"slot {slot.id} stays busy with work kvproxy did not send")
+                raise UpstreamError(
+                    f"slot {slot.id} is still busy after {BUSY_WAIT_LIMIT:.0f} s (a cancelled "
+                    "request winding down)"
+                )
             await asyncio.sleep(0.02)
         pending = slot.pending is not None
         if slot.holding is not None and not slot.shows_ours(info):
@@ -218,7 +221,8 @@ class SlotWork:
             timings = await self.client.evaluate(slot.id, tokens)
         except UpstreamError as exc:
             log.warning("evaluating the canonical prefix on slot %d failed: %s", slot.id, exc)
-            await self.verify(slot)  # forgets the holding if the slot changed after all
+            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
+            await self.verify(slot)
             return
         if messages != holding.messages:
             chain = keys.chain(ns, messages)

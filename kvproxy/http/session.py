@@ -7,6 +7,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+# The deadline of kvproxy's own POSTs whose length does not grow with tokens (templates,
+# tokenising, probes). Evaluations, saves and restores have none (api.py).
+POST_TIMEOUT = 300.0
+
 
 class UpstreamError(Exception):
     """llama-server could not be reached, or answered a JSON call with an error."""
@@ -74,7 +78,10 @@ class Upstream:
         body: Any = None,
         timeout: float | None = 120.0,
     ) -> Any:
-        """A JSON request of the proxy's own; raises UpstreamError unless the reply is 2xx JSON."""
+        """A JSON request of the proxy's own; raises UpstreamError unless the reply is 2xx JSON.
+        `timeout` None: no deadline but the connection's (work whose length grows with its
+        tokens, on a server whose speed kvproxy does not know; a server that dies closes the
+        connection)."""
         data = orjson.dumps(body) if body is not None else None
         headers = self.auth_headers()
         if data is not None:
@@ -85,7 +92,7 @@ class Upstream:
                 self.url(path_qs),
                 data=data,
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout),
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=10, connect=30),
             ) as resp:
                 raw = await resp.read()
                 try:
@@ -99,13 +106,17 @@ class Upstream:
                         parsed,
                     )
                 return parsed
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise UpstreamError(f"{method} {path_qs} failed: {exc or type(exc).__name__}") from exc
+        except TimeoutError as exc:
+            raise UpstreamError(f"{method} {path_qs}: no answer within {timeout} s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(
+                f"{method} {path_qs} failed: {str(exc) or type(exc).__name__}"
+            ) from exc
 
     async def get_json(self, path_qs: str, timeout: float | None = 30.0) -> Any:
         return await self.call("GET", path_qs, timeout=timeout)
 
-    async def post_json(self, path_qs: str, body: Any, timeout: float | None = 300.0) -> Any:
+    async def post_json(self, path_qs: str, body: Any, timeout: float | None = POST_TIMEOUT) -> Any:
         return await self.call("POST", path_qs, body, timeout=timeout)
 
 

@@ -17,7 +17,8 @@ import orjson
 from kvproxy.http.session import Upstream, UpstreamError
 
 # A slot save or restore moves a whole KV state through the disk.
-SLOT_ACTION_TIMEOUT = 300.0
+# Saves and restores take as long as the state's bytes need on this disk: no deadline.
+SLOT_ACTION_TIMEOUT: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,13 @@ class LlamaClient:
         raise UpstreamError(f"slot {slot_id} is not in GET /slots")
 
     async def save(
-        self, slot_id: int, filename: str, timeout: float = SLOT_ACTION_TIMEOUT
+        self, slot_id: int, filename: str, timeout: float | None = SLOT_ACTION_TIMEOUT
     ) -> Saved:
         res = await self._slot_action(slot_id, "save", {"filename": filename}, timeout)
         return Saved(_need_int(res, "n_saved"), _int(res.get("n_written")) or 0)
 
     async def restore(
-        self, slot_id: int, filename: str, timeout: float = SLOT_ACTION_TIMEOUT
+        self, slot_id: int, filename: str, timeout: float | None = SLOT_ACTION_TIMEOUT
     ) -> Restored:
         """A failed restore answers 400 and leaves the slot erased."""
         res = await self._slot_action(slot_id, "restore", {"filename": filename}, timeout)
@@ -101,7 +102,7 @@ class LlamaClient:
         return _int(res.get("n_erased")) or 0
 
     async def _slot_action(
-        self, slot_id: int, action: str, body: dict[str, Any], timeout: float
+        self, slot_id: int, action: str, body: dict[str, Any], timeout: float | None
     ) -> dict[str, Any]:
         res = await self.upstream.post_json(f"/slots/{slot_id}?action={action}", body, timeout)
         if not isinstance(res, dict):
@@ -143,10 +144,13 @@ class LlamaClient:
 
     async def evaluate(self, slot_id: int, tokens: list[int]) -> dict[str, Any]:
         """Make the slot hold exactly `tokens` (reusing what it already shares with them),
-        generating nothing; returns the reply's `timings`."""
+        generating nothing; returns the reply's `timings`. No deadline: a prefill takes what
+        the server's speed needs (minutes for 10k tokens on a slow CPU), and the server goes
+        on computing whatever kvproxy does."""
         res = await self.upstream.post_json(
             "/completion",
             {"prompt": tokens, "n_predict": 0, "id_slot": slot_id, "cache_prompt": True},
+            timeout=None,
         )
         timings = res.get("timings") if isinstance(res, dict) else None
         return timings if isinstance(timings, dict) else {}
