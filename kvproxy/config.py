@@ -96,6 +96,14 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=0, description="requests that may wait for a slot")
     queue_timeout: Duration = Field(300.0, description="longest wait for a slot before 503")
     max_body: ByteSize = Field(ByteSize(32 * 1024**2), description="largest request body (413)")
+    shutdown_timeout: Duration = Field(
+        30.0,
+        gt=0,
+        description=(
+            "longest SIGTERM takes: a third for requests in flight, then unsaved slots are "
+            "saved; what is not saved by then is named in the log and lost"
+        ),
+    )
 
     admin_token: SecretStr | None = Field(
         None, description="token for kvproxy's own /kvproxy/* routes when not bound to loopback"

@@ -149,28 +149,55 @@ class ConversationCache:
         `start` did before it returned, when the port bound only after the load)."""
         await self._started.wait()
 
-    async def stop(self) -> None:
+    async def stop(self, budget: float | None = None) -> None:
+        """Save what would be lost, within `budget` seconds (the settings' shutdown deadline
+        by default): a slot still busy (a long prefill) or a save not done by then is named
+        in the log, and lost."""
+        began = time.monotonic()
+        budget = self.settings.shutdown_timeout if budget is None else budget
         self.warmer.enabled = False  # a save under way finishes; no new one starts
         if self._housekeeper is not None:
             self._housekeeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeper
-        await self.background.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.background.wait(), max(0.0, budget / 2))
         if not self.enabled or not self.store.ready:
             await asyncio.to_thread(self.store.close)
             return
+        lost = []
         for slot in self.pool.slots:
-            if self.work.worth_saving(slot):
-                with contextlib.suppress(QueueFull, UpstreamError, OSError):
-                    got, _ = await self.pool.acquire(wanted=slot.id)
-                    try:
-                        await self.work.verify(got)
-                        await self.work.save(got)
-                    finally:
-                        self.pool.release(got)
-        await self.background.wait()
+            if not self.work.worth_saving(slot):
+                continue
+            remaining = budget - (time.monotonic() - began)
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self._save_for_shutdown(slot.id), remaining)
+            except TimeoutError:
+                held = slot.holding
+                lost.append(
+                    f"slot {slot.id} ({held.key[:12]}, {held.n_tokens} tokens)"
+                    if held
+                    else f"slot {slot.id}"
+                )
+        if lost:
+            log.warning(
+                "shutdown deadline (%.0f s) passed: not saved, lost: %s", budget, ", ".join(lost)
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.background.wait(), 1.0)
         await self.write_habits()
         await asyncio.to_thread(self.store.close)
+
+    async def _save_for_shutdown(self, slot_id: int) -> None:
+        with contextlib.suppress(QueueFull, UpstreamError, OSError):
+            got, _ = await self.pool.acquire(wanted=slot_id)
+            try:
+                await self.work.verify(got)
+                await self.work.save(got)
+            finally:
+                self.pool.release(got)
 
     async def write_habits(self) -> None:
         """Write what the clients were seen to do, when something new was learnt."""

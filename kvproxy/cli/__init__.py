@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import logging
 import logging.handlers
+import os
 import queue
 import signal
 import sys
@@ -156,7 +157,13 @@ async def serve(settings: Settings) -> int:
         )
 
     app = build_app(settings, upstream_url)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off.
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=settings.shutdown_timeout / 3,
+    )
     try:
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
@@ -201,7 +208,21 @@ async def serve(settings: Settings) -> int:
         exit_code = 1
     else:
         log.info("shutting down: saving slots, then stopping")
-    await runner.cleanup()
+    try:
+        await asyncio.wait_for(runner.cleanup(), settings.shutdown_timeout)
+    except TimeoutError:
+        # What holds it up runs in a thread (a first import of a large cache dir): the
+        # process stops anyway, as promised; the cache dir is consistent at every step.
+        log.error(
+            "shutdown deadline (%.0f s) passed: stopping now; what was not saved is lost",
+            settings.shutdown_timeout,
+        )
+        exit_code = exit_code or 1
+        if server is not None:
+            await server.stop(grace=5.0)
+            await asyncio.to_thread(leftover.forget, settings.cache_dir)
+        atexit._run_exitfuncs()  # the log writer's last lines
+        os._exit(exit_code)
     if server is not None:
         await server.stop()
         await asyncio.to_thread(leftover.forget, settings.cache_dir)

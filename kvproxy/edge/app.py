@@ -132,7 +132,8 @@ class Service:
 
     async def stop(self) -> None:
         try:
-            await self.cache.stop()
+            # Requests in flight had a third of the deadline (kvproxy serve's AppRunner).
+            await self.cache.stop(self.settings.shutdown_timeout * 0.6)
         finally:
             await self.upstream.close()
 
