@@ -172,20 +172,34 @@ def admin_refusal(request: web.Request, settings: Settings) -> web.Response | No
     return None
 
 
+KEYLESS_PATHS = frozenset({"/health", "/v1/health"})
+
+
+def client_key(headers: Mapping[str, str]) -> bytes:
+    """The key a client sends as llama-server reads it: `Authorization`, else `X-Api-Key`
+    (Anthropic's header), a leading `Bearer ` removed."""
+    raw = headers.get("Authorization") or headers.get("X-Api-Key") or ""
+    return header_bytes(raw).removeprefix(b"Bearer ")
+
+
 def client_refusal(request: web.Request, settings: Settings) -> web.Response | None:
-    """With --client-api-keys, every route but health checks needs one of them: kvproxy
-    sends llama-server its own key, so the server cannot tell clients apart any more."""
-    if not settings.client_api_keys or request.path in ("/health", "/v1/health"):
+    """With --client-api-keys, every route the server guards with its key needs one of them:
+    kvproxy sends llama-server its own key, so the server cannot tell clients apart any more."""
+    if not settings.client_api_keys:
         return None
-    given = header_bytes(request.headers.get("Authorization", ""))
+    if canonical_path(request.path) in KEYLESS_PATHS:
+        return None
+    given = client_key(request.headers)
     ok = False
     for key in settings.client_api_keys:
         # Every key is compared, so the time taken does not tell which one nearly matched.
-        ok |= hmac.compare_digest(given, f"Bearer {key.get_secret_value()}".encode())
+        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
     if ok:
         return None
     return error_response(
-        401, "Missing or wrong API key (Authorization: Bearer …).", "invalid_api_key"
+        401,
+        "Missing or wrong API key (Authorization: Bearer …, or X-Api-Key).",
+        "invalid_api_key",
     )
 
 
