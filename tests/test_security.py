@@ -176,3 +176,26 @@ def test_an_x_api_key_names_the_same_tenant_as_its_bearer_token() -> None:
     assert tenant_of({"X-Api-Key": "k1"}, None) == tenant_of({"Authorization": "Bearer k1"}, None)
     assert tenant_of({"X-Api-Key": "k1"}, None) not in (None, tenant_of({"X-Api-Key": "k2"}, None))
 
+
+async def test_cors_preflight_and_the_ui_root_need_no_key(make: Maker) -> None:
+    """The server answers every OPTIONS before its key check (browsers send no credentials
+    on a preflight), and lets `/` through: so does kvproxy; anything else still needs one."""
+    fake, proxy = await make(
+        client_api_keys="k1", upstream_api_key="upstream", server={"api_key": "upstream"}
+    )
+    preflight = {
+        "Origin": "web.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "Authorization",
+    }
+    async with aiohttp.ClientSession() as s:
+        async with s.options(proxy.url + "/completions", headers=preflight) as r:
+            assert r.status == 200
+            assert r.headers["Access-Control-Allow-Origin"] == "web.example"
+            assert r.headers["Access-Control-Allow-Credentials"] == "true"
+            assert r.headers["Access-Control-Allow-Headers"] == "*"
+        async with s.get(proxy.url + "/") as r:
+            assert r.status == 404  # let through to the server (this one has no UI)
+        for path in ("/index.html", "/favicon.ico", "/props"):
+            async with s.get(proxy.url + path) as r:
+                assert r.status == 401, path

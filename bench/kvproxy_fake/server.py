@@ -77,7 +77,14 @@ from kvproxy_fake.state import (
 N_BATCH = 512
 SLOT_PROMPT_SIMILARITY = 0.1
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+# What the API key middleware lets through (server-http.cpp): health checks and the UI's root.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
+# The pre-routing handler's answer to any OPTIONS (a CORS preflight), before the key check.
+CORS_PREFLIGHT = {
+    "Access-Control-Allow-Credentials": "true",
+    "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+    "Access-Control-Allow-Headers": "*",
+}
 
 Reuse = Literal["full", "none", "extend", "window"]
 ReplyFn = Callable[[list[dict[str, Any]]], str]
@@ -373,6 +380,11 @@ class FakeLlamaServer:
             except ValueError:
                 body = raw.decode(errors="replace")
         self.requests.append((request.method, request.path_qs, body))
+        if request.method == "OPTIONS":
+            origin = {"Access-Control-Allow-Origin": request.headers.get("Origin", "")}
+            return web.Response(
+                body=b"", content_type="text/html", headers={**origin, **CORS_PREFLIGHT}
+            )
         if self.api_key is not None and request.path not in PUBLIC_PATHS:
             key = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
             key = key.removeprefix("Bearer ")

@@ -172,7 +172,10 @@ def admin_refusal(request: web.Request, settings: Settings) -> web.Response | No
     return None
 
 
-KEYLESS_PATHS = frozenset({"/health", "/v1/health"})
+# What llama-server answers without its API key (server-http.cpp, the API key middleware
+# and the pre-routing handler before it): health checks, its UI's root, and every CORS
+# preflight (`OPTIONS`, which browsers send without credentials).
+KEYLESS_PATHS = frozenset({"/health", "/v1/health", "/"})
 
 
 def client_key(headers: Mapping[str, str]) -> bytes:
@@ -185,7 +188,7 @@ def client_key(headers: Mapping[str, str]) -> bytes:
 def client_refusal(request: web.Request, settings: Settings) -> web.Response | None:
     """With --client-api-keys, every route the server guards with its key needs one of them:
     kvproxy sends llama-server its own key, so the server cannot tell clients apart any more."""
-    if not settings.client_api_keys:
+    if not settings.client_api_keys or request.method == "OPTIONS":
         return None
     if canonical_path(request.path) in KEYLESS_PATHS:
         return None
