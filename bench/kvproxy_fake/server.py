@@ -79,6 +79,8 @@ SLOT_PROMPT_SIMILARITY = 0.1
 
 # What the API key middleware lets through (server-http.cpp): health checks and the UI's root.
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
+# What the server-state middleware answers while the model loads (the rest get a 503).
+LOADING_PATHS = frozenset({"/models", "/v1/models", "/api/tags"})
 # The pre-routing handler's answer to any OPTIONS (a CORS preflight), before the key check.
 CORS_PREFLIGHT = {
     "Access-Control-Allow-Credentials": "true",
@@ -226,6 +228,8 @@ class FakeLlamaServer:
         self.slots_endpoint = slots_endpoint
         # llama-server's --ignore-eos: every reply runs to its token limit (or the context's end).
         self.ignore_eos = ignore_eos
+        # Tests: the server is still loading its model (it answers 503 but to /models).
+        self.loading = False
         # Tests: GET /slots held (the server's loop busy elsewhere), POST /apply-template held
         # (a render that takes its time).
         self.slots_hold = Hold()
@@ -385,6 +389,8 @@ class FakeLlamaServer:
             return web.Response(
                 body=b"", content_type="text/html", headers={**origin, **CORS_PREFLIGHT}
             )
+        if self.loading and request.path not in LOADING_PATHS:
+            return error_response("Loading model", "unavailable_error")
         if self.api_key is not None and request.path not in PUBLIC_PATHS:
             key = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
             key = key.removeprefix("Bearer ")

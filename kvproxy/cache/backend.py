@@ -13,8 +13,11 @@ import os
 import time
 from typing import Any
 
+from aiohttp import web
+
 from kvproxy.cache.slots import SlotPool
 from kvproxy.config import Settings
+from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient
 from kvproxy.server.modelinfo import ModelInfo, read_model_info
@@ -66,6 +69,8 @@ class Backend:
         # When a server that answered /props last refused GET /slots: requests then look again
         # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
         self._no_slots_seen = 0.0
+        # Why the last look found no server (GET /props failed): None once one answered.
+        self.down: UpstreamError | None = None
 
     @property
     def model_class(self) -> str:
@@ -88,7 +93,12 @@ class Backend:
         # Every attempt counts as the check, failed ones too: housekeeping's 15 s work (the
         # props check, noticing removals) must not run every second while the server is down.
         self._last_props_check = time.monotonic()
-        props = await self.client.props()
+        try:
+            props = await self.client.props()
+        except UpstreamError as exc:
+            self.down = exc
+            raise
+        self.down = None
         identity = await asyncio.to_thread(model_identity, props)
         try:
             slots = await self.client.slots()
@@ -121,6 +131,21 @@ class Backend:
             )
         self.enabled = True
         self._last_props_check = time.monotonic()
+
+    def not_ready(self) -> web.Response | None:
+        """With caching off because no server answered GET /props: what the client would get
+        from the server at this moment, so that no slot-using request goes unpinned to a
+        server that comes up in between (a loading server's 503, or "unreachable"). None
+        when the request may go as it is (pinned, or uncached by design)."""
+        if self.enabled or self.down is None or not self.store_open:
+            return None
+        if self.down.status == 503:
+            return loading_response()
+        if self.down.status is None:
+            return error_response(
+                502, f"llama-server is unreachable: {self.down}", "upstream_unreachable"
+            )
+        return None
 
     async def refuses(self, path: str) -> bool:
         """Whether the server answers `path` without a slot (see SLOT_PICKING_ROUTES)."""

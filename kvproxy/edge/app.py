@@ -17,7 +17,7 @@ from kvproxy.cache.backend import SLOT_PICKING_ROUTES
 from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
-from kvproxy.http.errors import error_response
+from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
 from kvproxy.keys import header_bytes
@@ -175,7 +175,8 @@ def admin_refusal(request: web.Request, settings: Settings) -> web.Response | No
 # What llama-server answers without its API key (server-http.cpp, the API key middleware
 # and the pre-routing handler before it): health checks, its UI's root, and every CORS
 # preflight (`OPTIONS`, which browsers send without credentials).
-KEYLESS_PATHS = frozenset({"/health", "/v1/health", "/"})
+HEALTH_PATHS = frozenset({"/health", "/v1/health"})
+KEYLESS_PATHS = HEALTH_PATHS | {"/"}
 
 
 def client_key(headers: Mapping[str, str]) -> bytes:
@@ -239,9 +240,19 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if request.content_length is not None and request.content_length > service.settings.max_body:
         return _too_large(service.settings)
 
+    if path in HEALTH_PATHS and not service.cache.looked:
+        # The server answers 503 until it is ready; kvproxy is ready once it has looked for
+        # the server: a client that waits for 200 then sends requests kvproxy can pin.
+        return loading_response()
+    if path in HEALTH_PATHS:
+        await service.cache.backend.rediscover_if_off()
     if request.method == "POST":
         cache = service.cache
         adapter = service.keyed.get(path)
+        if adapter is not None or path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
+            not_yet = await cache.until_discovered()
+            if not_yet is not None:
+                return not_yet
         if adapter is not None:
             path_qs = _path_qs(path, request)
             return await cache.conversations.handle_keyed(request, path_qs, adapter)
