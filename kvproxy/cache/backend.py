@@ -71,6 +71,7 @@ class Backend:
         self._no_slots_seen = 0.0
         # Why the last look found no server (GET /props failed): None once one answered.
         self.down: UpstreamError | None = None
+        self.sleeping = False  # the server's /props said `is_sleeping` (--sleep-idle-seconds)
 
     @property
     def model_class(self) -> str:
@@ -79,17 +80,23 @@ class Backend:
     def props_check_due(self) -> bool:
         return time.monotonic() - self._last_props_check > PROPS_CHECK_INTERVAL
 
-    async def rediscover_if_off(self) -> None:
-        """Called per request while caching is off: a server that came up is used at once."""
+    async def rediscover_if_off(self, wake: bool = True) -> None:
+        """Called per request while caching is off: a server that came up is used at once.
+        `wake`: the request will wake a sleeping server anyway (a health check would not)."""
         if not self.store_open:
             return
         if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
             try:
-                await self.discover()
+                await self.discover(wake=wake)
             except UpstreamError:
                 pass
 
-    async def discover(self) -> None:
+    async def discover(self, wake: bool = False) -> None:
+        """Look at the server. GET /props neither wakes a server asleep (--sleep-idle-seconds)
+        nor counts as activity that keeps it awake; GET /slots does both. So /slots is read
+        only when caching is off, or /props shows another server (model, slot count, slots
+        endpoint), or `wake` (a request is coming that wakes it anyway); never while it sleeps
+        unless `wake`."""
         # Every attempt counts as the check, failed ones too: housekeeping's 15 s work (the
         # props check, noticing removals) must not run every second while the server is down.
         self._last_props_check = time.monotonic()
@@ -99,7 +106,17 @@ class Backend:
             self.down = exc
             raise
         self.down = None
+        if self._notice_sleep(props) and not wake:
+            return
         identity = await asyncio.to_thread(model_identity, props)
+        if (
+            not wake
+            and self.enabled
+            and identity == self.model_identity
+            and props.get("total_slots", len(self.pool.slots)) == len(self.pool.slots)
+            and props.get("endpoint_slots", True) is not False
+        ):
+            return  # the server kvproxy knows
         try:
             slots = await self.client.slots()
         except UpstreamError as exc:
@@ -131,6 +148,27 @@ class Backend:
             )
         self.enabled = True
         self._last_props_check = time.monotonic()
+
+    def _notice_sleep(self, props: dict[str, Any]) -> bool:
+        """Whether the server is asleep, as /props says. Falling asleep it unloads the model
+        and its KV: what kvproxy knew the slots held is gone (they are empty once it wakes)."""
+        asleep = props.get("is_sleeping") is True
+        if asleep and not self.sleeping:
+            log.info("llama-server is asleep: its slots were emptied; watching without waking it")
+            for slot in self.pool.slots:
+                if not slot.busy:
+                    slot.forget()
+        elif self.sleeping and not asleep:
+            log.info("llama-server woke up")
+        self.sleeping = asleep
+        return asleep
+
+    async def asleep(self) -> bool:
+        """Ask the server (GET /props, which does not wake it) whether it sleeps now."""
+        try:
+            return self._notice_sleep(await self.client.props())
+        except UpstreamError:
+            return False
 
     def not_ready(self) -> web.Response | None:
         """With caching off because no server answered GET /props: what the client would get

@@ -245,7 +245,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         # the server: a client that waits for 200 then sends requests kvproxy can pin.
         return loading_response()
     if path in HEALTH_PATHS:
-        await service.cache.backend.rediscover_if_off()
+        await service.cache.backend.rediscover_if_off(wake=False)
     if request.method == "POST":
         cache = service.cache
         adapter = service.keyed.get(path)
