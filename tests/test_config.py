@@ -110,3 +110,10 @@ async def test_serve_listens_on_each_address_of_host(tmp_path: Path) -> None:
                     assert r.status == 200, host
     finally:
         await runner.cleanup()
+
+
+def test_min_tokens_0_is_accepted_and_negative_is_not() -> None:
+    assert Settings(min_tokens=0).min_tokens == 0
+    assert load_settings({"min_tokens": "0"}).min_tokens == 0
+    with pytest.raises(SystemExit, match="--min-tokens"):
+        load_settings({"min_tokens": "-1"})
