@@ -106,7 +106,8 @@ class Settings(BaseSettings):
     )
     client_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="API keys clients must send (Authorization: Bearer), comma-separated; "
+        description="API keys clients must send (Authorization: Bearer, or X-Api-Key), "
+        "comma-separated; "
         "required when not bound to loopback and --upstream-api-key is set",
     )
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
