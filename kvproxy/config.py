@@ -39,7 +39,11 @@ class Settings(BaseSettings):
     )
 
     # --- where we listen and where the server is
-    host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
+    host: str = Field(
+        "127.0.0.1",
+        description="address to listen on, or several comma-separated as llama-server takes "
+        "them (loopback by default)",
+    )
     port: int = Field(8081, ge=0, le=65535, description="port to listen on")
     upstream: AnyHttpUrl | None = Field(
         None, description="URL of a running llama-server (sidecar mode)"
@@ -110,7 +114,8 @@ class Settings(BaseSettings):
     )
     client_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="API keys clients must send (Authorization: Bearer), comma-separated; "
+        description="API keys clients must send (Authorization: Bearer, or X-Api-Key), "
+        "comma-separated; "
         "required when not bound to loopback and --upstream-api-key is set",
     )
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
@@ -120,6 +125,13 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_json: bool = Field(False, description="log one JSON object per line (every log record)")
+
+    @field_validator("host")
+    @classmethod
+    def _host_list(cls, value: str) -> str:
+        if not [h for h in value.split(",") if h.strip()]:
+            raise ValueError("must name an address")
+        return value
 
     @field_validator("tenant_header")
     @classmethod
@@ -143,8 +155,16 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def hosts(self) -> list[str]:
+        """The addresses to listen on: `--host` is a comma list, as llama-server's is."""
+        return [h.strip() for h in self.host.split(",") if h.strip()]
+
+    @property
     def loopback(self) -> bool:
-        return self.host in ("127.0.0.1", "::1", "localhost") or self.host.startswith("127.")
+        """Every address listened on is a loopback one."""
+        return all(
+            h in ("127.0.0.1", "::1", "localhost") or h.startswith("127.") for h in self.hosts
+        )
 
     @property
     def upstream_url(self) -> str | None:

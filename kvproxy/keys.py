@@ -147,8 +147,13 @@ def extend(prev_key: str, message: Mapping[str, Any]) -> str:
 
 
 def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str | None:
-    """A hash of who is asking: the configured header, else the client's bearer token."""
-    raw = headers.get(tenant_header) if tenant_header else headers.get("Authorization")
+    """A hash of who is asking: the configured header, else the client's API key as
+    llama-server reads it (`Authorization`, else `X-Api-Key` as the same bearer token)."""
+    if tenant_header:
+        raw = headers.get(tenant_header)
+    else:
+        api_key = headers.get("X-Api-Key")
+        raw = headers.get("Authorization") or (f"Bearer {api_key}" if api_key else None)
     if not raw:
         return None
     return _hash(b"kvproxy-tenant\0", header_bytes(raw))

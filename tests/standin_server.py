@@ -8,6 +8,7 @@ appends its argv to `record`, so tests can count the attempts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
@@ -76,3 +77,44 @@ def main(mode: str, record: str) -> None:
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", chat)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+
+
+class RawUpstream:
+    """A stand-in llama-server at the socket level, for framing no HTTP library would write:
+    each request (head, and a Content-Length body) gets the raw bytes `replies` has for its
+    path (else a small 200), on a kept-alive connection, as cpp-httplib keeps them."""
+
+    def __init__(self, replies: dict[str, bytes]) -> None:
+        self.replies = replies
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":", 1)[1]))
+                self.requests.append(head)
+                path = head.split(b" ", 2)[1].decode().split("?", 1)[0]
+                reply = self.replies.get(path, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                writer.write(reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()

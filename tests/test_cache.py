@@ -613,3 +613,34 @@ async def test_a_save_then_restore_reads_the_slots_once_before_it_is_forwarded(
     _, r3, h3 = await chat(proxy, then(m2, r2))
     assert h3["X-KVProxy-Cache"] == "resident"
     assert r3["timings"]["prompt_n"] <= 100
+
+
+async def test_min_tokens_0_keys_and_caches_small_conversations(make: Maker) -> None:
+    """`--min-tokens 0`: a conversation of a few tokens is keyed, saved when it must leave its
+    slot, and restored when it comes back (the default, 256, would not save it)."""
+    from kvproxy.cli.flags import load_settings
+
+    assert load_settings({"min_tokens": "0"}).min_tokens == 0
+    fake, proxy = await make(min_tokens=0, live_window=0)
+    small = {c: [{"role": "user", "content": f"hi {c}"}] for c in (1, 2, 3)}
+    replies = {}
+    for c in (1, 2, 3):
+        _, replies[c], h = await chat(proxy, small[c])
+        assert h["X-KVProxy-Cache"] == "miss"  # keyed (not "bypass")
+    await settle(proxy)
+    assert actions(fake, "save")  # conversation 1 made room for 3, saved on the way
+    status, r, h = await chat(proxy, then(small[1], replies[1]))
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    assert prompt_tokens(r) < 256  # below the default --min-tokens
+
+
+async def test_small_conversations_are_not_saved_by_default(make: Maker) -> None:
+    fake, proxy = await make(min_tokens=256, live_window=0)
+    small = {c: [{"role": "user", "content": f"hi {c}"}] for c in (1, 2, 3)}
+    replies = {}
+    for c in (1, 2, 3):
+        _, replies[c], _ = await chat(proxy, small[c])
+    await settle(proxy)
+    assert not actions(fake, "save")
+    _, _, h = await chat(proxy, then(small[1], replies[1]))
+    assert h["X-KVProxy-Cache"] == "miss"

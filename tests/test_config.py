@@ -6,9 +6,11 @@ import argparse
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvproxy.cli import build_parser, main
 from kvproxy.cli.flags import load_settings
@@ -93,3 +95,39 @@ def test_nothing_to_proxy_is_explained() -> None:
         [sys.executable, "-m", "kvproxy.cli", "serve"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode != 0 and "--upstream" in proc.stderr and "--model" in proc.stderr
+
+
+def test_host_is_a_comma_list_as_llama_servers_is() -> None:
+    s = Settings(host="127.0.0.1, ::1")
+    assert s.hosts == ["127.0.0.1", "::1"] and s.loopback
+    assert not Settings(host="127.0.0.1,0.0.0.0").loopback  # one address beyond loopback
+    with pytest.raises(ValidationError):
+        Settings(host=" , ")
+
+
+async def test_serve_listens_on_each_address_of_host(tmp_path: Path) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    from kvproxy.cli import listen
+    from kvproxy.edge.app import build_app
+    from kvproxy.server.managed import free_port
+
+    settings = Settings(host="127.0.0.1,::1", port=free_port(), cache_dir=tmp_path / "c")
+    runner = web.AppRunner(build_app(settings, "http://127.0.0.1:9"))
+    await runner.setup()
+    try:
+        await listen(runner, settings)
+        async with aiohttp.ClientSession() as s:
+            for host in ("127.0.0.1", "[::1]"):
+                async with s.get(f"http://{host}:{settings.port}/kvproxy/stats") as r:
+                    assert r.status == 200, host
+    finally:
+        await runner.cleanup()
+
+
+def test_min_tokens_0_is_accepted_and_negative_is_not() -> None:
+    assert Settings(min_tokens=0).min_tokens == 0
+    assert load_settings({"min_tokens": "0"}).min_tokens == 0
+    with pytest.raises(SystemExit, match="--min-tokens"):
+        load_settings({"min_tokens": "-1"})

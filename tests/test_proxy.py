@@ -12,9 +12,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvproxy.edge.app import SERVICE
 from kvproxy.server.managed import free_port
 
 from .conftest import RunningProxy, start_proxy
+from .standin_server import RawUpstream
 
 
 class EchoUpstream:
@@ -254,3 +256,35 @@ async def test_cookies_the_server_sets_never_ride_along_on_other_requests(
     finally:
         await proxy.stop()
         await runner.cleanup()
+
+
+# llama-server's /cors-proxy answers a 204 with `Transfer-Encoding: chunked` and a `0` chunk.
+LOOSE_204 = (
+    b"HTTP/1.1 204 No Content\r\nServer: llama.cpp\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+)
+LOOSE_304 = b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\nETag: x\r\n\r\nhello"
+
+
+async def test_a_loosely_framed_bodiless_reply_passes_as_it_would_direct(tmp_path: Path) -> None:
+    """A 204 or 304 with body bytes after it reaches the client as the server's status (not
+    a 502 "unreachable"), and what follows on the connection is not read as a next reply."""
+    raw = RawUpstream({"/cors-proxy": LOOSE_204, "/cached": LOOSE_304})
+    await raw.start()
+    running = await start_proxy(raw.url, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):
+                async with s.get(running.url + "/cors-proxy?url=http://x") as resp:
+                    assert resp.status == 204 and await resp.read() == b""
+                async with s.get(running.url + "/anything") as resp:
+                    assert resp.status == 200 and await resp.read() == b"ok"
+                async with s.get(running.url + "/cached") as resp:
+                    assert resp.status == 304 and resp.headers["ETag"] == "x"
+                async with s.get(running.url + "/anything") as resp:
+                    assert resp.status == 200 and await resp.read() == b"ok"
+        # JSON calls of kvproxy's own use the same client.
+        assert await running.app[SERVICE].upstream.get_json("/cors-proxy") is None
+        assert await running.app[SERVICE].upstream.get_json("/anything") == "ok"
+    finally:
+        await running.stop()
+        await raw.stop()

@@ -157,3 +157,46 @@ def test_exposing_the_server_key_without_client_keys_is_refused() -> None:
     ]
     with pytest.raises(SystemExit, match="--client-api-keys"):
         main(args)
+
+
+async def test_client_api_keys_are_read_as_the_server_reads_them(make: Maker) -> None:
+    """llama-server takes `Authorization` (with or without `Bearer `), else `X-Api-Key`
+    (Anthropic SDK clients send that one)."""
+    fake, proxy = await make(client_api_keys="k1")
+    for headers in ({"X-Api-Key": "k1"}, {"Authorization": "k1"}, {"Authorization": "Bearer k1"}):
+        assert (await get(proxy.url + "/v1/models", headers))[0] == 200, headers
+    for headers in ({"X-Api-Key": "k2"}, {"Authorization": "Bearer k2", "X-Api-Key": "k1"}):
+        assert (await get(proxy.url + "/v1/models", headers))[0] == 401, headers
+    _, _, h = await chat(proxy, conv(1), headers={"X-Api-Key": "k1"})
+    assert h["X-KVProxy-Cache"] == "miss"
+
+
+def test_an_x_api_key_names_the_same_tenant_as_its_bearer_token() -> None:
+    from kvproxy.keys import tenant_of
+
+    assert tenant_of({"X-Api-Key": "k1"}, None) == tenant_of({"Authorization": "Bearer k1"}, None)
+    assert tenant_of({"X-Api-Key": "k1"}, None) not in (None, tenant_of({"X-Api-Key": "k2"}, None))
+
+
+async def test_cors_preflight_and_the_ui_root_need_no_key(make: Maker) -> None:
+    """The server answers every OPTIONS before its key check (browsers send no credentials
+    on a preflight), and lets `/` through: so does kvproxy; anything else still needs one."""
+    fake, proxy = await make(
+        client_api_keys="k1", upstream_api_key="upstream", server={"api_key": "upstream"}
+    )
+    preflight = {
+        "Origin": "web.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "Authorization",
+    }
+    async with aiohttp.ClientSession() as s:
+        async with s.options(proxy.url + "/completions", headers=preflight) as r:
+            assert r.status == 200
+            assert r.headers["Access-Control-Allow-Origin"] == "web.example"
+            assert r.headers["Access-Control-Allow-Credentials"] == "true"
+            assert r.headers["Access-Control-Allow-Headers"] == "*"
+        async with s.get(proxy.url + "/") as r:
+            assert r.status == 404  # let through to the server (this one has no UI)
+        for path in ("/index.html", "/favicon.ico", "/props"):
+            async with s.get(proxy.url + path) as r:
+                assert r.status == 401, path

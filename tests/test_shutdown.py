@@ -14,9 +14,9 @@ from pathlib import Path
 
 import aiohttp
 
+from kvproxy.server.managed import free_port
 from kvproxy.store import DB_NAME, Store
 
-from .conftest import free_port
 from .fakeserver import FakeLlamaServer
 
 DEADLINE = 6.0

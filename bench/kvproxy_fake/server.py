@@ -77,7 +77,20 @@ from kvproxy_fake.state import (
 N_BATCH = 512
 SLOT_PROMPT_SIMILARITY = 0.1
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+# What the API key middleware lets through (server-http.cpp): health checks and the UI's root.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
+# What the server-state middleware answers while the model loads (the rest get a 503).
+LOADING_PATHS = frozenset({"/models", "/v1/models", "/api/tags"})
+# What a sleeping server answers without waking up (seen on llama-server with
+# --sleep-idle-seconds: these leave it asleep; /slots, /tokenize, /apply-template, slot actions
+# and completions wake it).
+NO_WAKE_PATHS = frozenset({"/health", "/v1/health", "/props", "/models", "/v1/models"})
+# The pre-routing handler's answer to any OPTIONS (a CORS preflight), before the key check.
+CORS_PREFLIGHT = {
+    "Access-Control-Allow-Credentials": "true",
+    "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+    "Access-Control-Allow-Headers": "*",
+}
 
 Reuse = Literal["full", "none", "extend", "window"]
 ReplyFn = Callable[[list[dict[str, Any]]], str]
@@ -193,6 +206,7 @@ class FakeLlamaServer:
         end_delay: float = 0.0,
         slots_endpoint: bool = True,
         ignore_eos: bool = False,
+        sleep_idle_seconds: float | None = None,
     ) -> None:
         if reuse not in ("full", "none", "extend", "window"):
             raise ValueError(f"unknown reuse rule {reuse!r}")
@@ -219,6 +233,13 @@ class FakeLlamaServer:
         self.slots_endpoint = slots_endpoint
         # llama-server's --ignore-eos: every reply runs to its token limit (or the context's end).
         self.ignore_eos = ignore_eos
+        # Tests: the server is still loading its model (it answers 503 but to /models).
+        self.loading = False
+        # llama-server's --sleep-idle-seconds: idle that long, it unloads the model and its KV
+        # (`is_sleeping` in /props); a request but those in NO_WAKE_PATHS reloads it, empty.
+        self.sleep_idle_seconds = sleep_idle_seconds
+        self.wakes = 0
+        self._last_active = time.monotonic()
         # Tests: GET /slots held (the server's loop busy elsewhere), POST /apply-template held
         # (a render that takes its time).
         self.slots_hold = Hold()
@@ -380,17 +401,42 @@ class FakeLlamaServer:
             except ValueError:
                 body = raw.decode(errors="replace")
         self.requests.append((request.method, request.path_qs, body))
+        if request.method == "OPTIONS":
+            origin = {"Access-Control-Allow-Origin": request.headers.get("Origin", "")}
+            return web.Response(
+                body=b"", content_type="text/html", headers={**origin, **CORS_PREFLIGHT}
+            )
+        if self.loading and request.path not in LOADING_PATHS:
+            return error_response("Loading model", "unavailable_error")
         if self.api_key is not None and request.path not in PUBLIC_PATHS:
             key = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
             key = key.removeprefix("Bearer ")
             if key != self.api_key:
                 return error_response("Invalid API Key", "authentication_error")
+        wakes = request.path not in NO_WAKE_PATHS
+        if wakes and self.is_sleeping:
+            self.wakes += 1
+            for slot in self.slots:  # the model and its context are loaded again: empty
+                slot.clear()
+                slot.id_task = None
         try:
             return await handler(request)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
             return error_response("File Not Found", "not_found_error")
         except RequestError as err:
             return error_response(err.message, err.kind, **err.extra)
+        finally:
+            if wakes:
+                self._last_active = time.monotonic()
+
+    @property
+    def is_sleeping(self) -> bool:
+        idle = time.monotonic() - self._last_active
+        return (
+            self.sleep_idle_seconds is not None
+            and idle > self.sleep_idle_seconds
+            and not any(slot.is_processing for slot in self.slots)
+        )
 
     @staticmethod
     async def _body(request: web.Request) -> Json:
@@ -419,7 +465,8 @@ class FakeLlamaServer:
                 "bos_token": "<bos>",
                 "eos_token": "<eos>",
                 "build_info": "fake",
-                "is_sleeping": False,
+                "is_sleeping": self.is_sleeping,
+                "endpoint_slots": self.slots_endpoint,
             }
         )
 

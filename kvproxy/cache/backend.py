@@ -13,8 +13,11 @@ import os
 import time
 from typing import Any
 
+from aiohttp import web
+
 from kvproxy.cache.slots import SlotPool
 from kvproxy.config import Settings
+from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient
 from kvproxy.server.modelinfo import ModelInfo, read_model_info
@@ -66,6 +69,9 @@ class Backend:
         # When a server that answered /props last refused GET /slots: requests then look again
         # at most every REDISCOVER_INTERVAL. A server that was not up is asked at once.
         self._no_slots_seen = 0.0
+        # Why the last look found no server (GET /props failed): None once one answered.
+        self.down: UpstreamError | None = None
+        self.sleeping = False  # the server's /props said `is_sleeping` (--sleep-idle-seconds)
 
     def refuses_slot_actions(self) -> None:
         """The server answered a slot action 501 (no --slot-save-path): no saves or restores."""
@@ -82,22 +88,43 @@ class Backend:
     def props_check_due(self) -> bool:
         return time.monotonic() - self._last_props_check > PROPS_CHECK_INTERVAL
 
-    async def rediscover_if_off(self) -> None:
-        """Called per request while caching is off: a server that came up is used at once."""
+    async def rediscover_if_off(self, wake: bool = True) -> None:
+        """Called per request while caching is off: a server that came up is used at once.
+        `wake`: the request will wake a sleeping server anyway (a health check would not)."""
         if not self.store_open:
             return
         if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
             try:
-                await self.discover()
+                await self.discover(wake=wake)
             except UpstreamError:
                 pass
 
-    async def discover(self) -> None:
+    async def discover(self, wake: bool = False) -> None:
+        """Look at the server. GET /props neither wakes a server asleep (--sleep-idle-seconds)
+        nor counts as activity that keeps it awake; GET /slots does both. So /slots is read
+        only when caching is off, or /props shows another server (model, slot count, slots
+        endpoint), or `wake` (a request is coming that wakes it anyway); never while it sleeps
+        unless `wake`."""
         # Every attempt counts as the check, failed ones too: housekeeping's 15 s work (the
         # props check, noticing removals) must not run every second while the server is down.
         self._last_props_check = time.monotonic()
-        props = await self.client.props()
+        try:
+            props = await self.client.props()
+        except UpstreamError as exc:
+            self.down = exc
+            raise
+        self.down = None
+        if self._notice_sleep(props) and not wake:
+            return
         identity = await asyncio.to_thread(model_identity, props)
+        if (
+            not wake
+            and self.enabled
+            and identity == self.model_identity
+            and props.get("total_slots", len(self.pool.slots)) == len(self.pool.slots)
+            and props.get("endpoint_slots", True) is not False
+        ):
+            return  # the server kvproxy knows
         try:
             slots = await self.client.slots()
         except UpstreamError as exc:
@@ -129,6 +156,42 @@ class Backend:
             )
         self.enabled = True
         self._last_props_check = time.monotonic()
+
+    def _notice_sleep(self, props: dict[str, Any]) -> bool:
+        """Whether the server is asleep, as /props says. Falling asleep it unloads the model
+        and its KV: what kvproxy knew the slots held is gone (they are empty once it wakes)."""
+        asleep = props.get("is_sleeping") is True
+        if asleep and not self.sleeping:
+            log.info("llama-server is asleep: its slots were emptied; watching without waking it")
+            for slot in self.pool.slots:
+                if not slot.busy:
+                    slot.forget()
+        elif self.sleeping and not asleep:
+            log.info("llama-server woke up")
+        self.sleeping = asleep
+        return asleep
+
+    async def asleep(self) -> bool:
+        """Ask the server (GET /props, which does not wake it) whether it sleeps now."""
+        try:
+            return self._notice_sleep(await self.client.props())
+        except UpstreamError:
+            return False
+
+    def not_ready(self) -> web.Response | None:
+        """With caching off because no server answered GET /props: what the client would get
+        from the server at this moment, so that no slot-using request goes unpinned to a
+        server that comes up in between (a loading server's 503, or "unreachable"). None
+        when the request may go as it is (pinned, or uncached by design)."""
+        if self.enabled or self.down is None or not self.store_open:
+            return None
+        if self.down.status == 503:
+            return loading_response()
+        if self.down.status is None:
+            return error_response(
+                502, f"llama-server is unreachable: {self.down}", "upstream_unreachable"
+            )
+        return None
 
     async def refuses(self, path: str) -> bool:
         """Whether the server answers `path` without a slot (see SLOT_PICKING_ROUTES)."""

@@ -96,6 +96,10 @@ class Warmer:
         key = slot.holding.key if slot.holding is not None else ""
         saved = False
         try:
+            if await self.work.backend.asleep():
+                # Asleep, the server emptied its slots; a save would wake it for nothing.
+                slot.forget()
+                return
             await self.work.verify(slot)
             if self.work.worth_saving(slot):
                 saved = await self.work.save(slot, background=True)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
 from kvproxy.cache.backend import Backend
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
@@ -32,6 +34,7 @@ from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import QueueFull, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.config import Settings
+from kvproxy.http.errors import loading_response
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.store import Store, dirfiles
 
@@ -143,6 +146,25 @@ class ConversationCache:
         self.warmer.enabled = True
         started.set()
         await self._housekeeping()
+
+    @property
+    def looked(self) -> bool:
+        """The cache dir is open (or failed to) and the server was looked for once."""
+        return self._started.is_set()
+
+    async def until_discovered(self) -> web.Response | None:
+        """Before a slot-using request: wait (at most --queue-timeout, as for a slot) until
+        the cache dir is open and the server was looked for, and look again if it was not
+        found. A request relayed before that would run unpinned, leaving a slot with tokens
+        of no known occupant, which the cross-tenant guard then erases. None when the
+        request may go; else the answer to give instead (what the server would say)."""
+        if not self._started.is_set():
+            try:
+                await asyncio.wait_for(self._started.wait(), self.settings.queue_timeout)
+            except TimeoutError:
+                return loading_response("Loading model (kvproxy is opening its cache dir)")
+        await self.backend.rediscover_if_off()
+        return self.backend.not_ready()
 
     async def started(self) -> None:
         """Wait until the cache dir is open and the server was looked for once (what

@@ -18,10 +18,13 @@ import queue
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvproxy.cli.flags import add_settings_flags, load_settings
 from kvproxy.config import Settings
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger("kvproxy")
 LLAMA_LOGGER = "llama-server"  # llama-server's own lines, relayed (managed.py)
@@ -102,6 +105,14 @@ def _stop_quietly(listener: logging.handlers.QueueListener) -> None:
         listener.stop()
 
 
+async def listen(runner: web.BaseRunner, settings: Settings) -> None:
+    """A site on each address of `--host` (a comma list, as llama-server's), one port."""
+    from aiohttp import web
+
+    for host in settings.hosts:
+        await web.TCPSite(runner, host, settings.port).start()
+
+
 async def serve(settings: Settings) -> int:
     from aiohttp import web
 
@@ -166,8 +177,7 @@ async def serve(settings: Settings) -> int:
     )
     try:
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        await listen(runner, settings)
     except OSError as exc:
         await runner.cleanup()
         if server is not None:
@@ -182,7 +192,8 @@ async def serve(settings: Settings) -> int:
     # request now and then.
     gc.collect()
     gc.freeze()
-    shown_host = "localhost" if settings.host in ("127.0.0.1", "::1") else settings.host
+    first = settings.hosts[0]
+    shown_host = "localhost" if first in ("127.0.0.1", "::1") else first
     log.info(
         "kvproxy ready: point OpenAI clients at http://%s:%d/v1 (llama-server at %s, cache %s)",
         shown_host,

@@ -43,7 +43,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _own_url(settings: Settings) -> str:
-    host = settings.host
+    host = settings.hosts[0]
     if host in ("0.0.0.0", ""):
         host = "127.0.0.1"  # listening everywhere: loopback reaches it
     elif host == "::":

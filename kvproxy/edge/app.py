@@ -17,7 +17,7 @@ from kvproxy.cache.backend import SLOT_PICKING_ROUTES
 from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
-from kvproxy.http.errors import error_response
+from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
 from kvproxy.keys import header_bytes
@@ -173,20 +173,38 @@ def admin_refusal(request: web.Request, settings: Settings) -> web.Response | No
     return None
 
 
+# What llama-server answers without its API key (server-http.cpp, the API key middleware
+# and the pre-routing handler before it): health checks, its UI's root, and every CORS
+# preflight (`OPTIONS`, which browsers send without credentials).
+HEALTH_PATHS = frozenset({"/health", "/v1/health"})
+KEYLESS_PATHS = HEALTH_PATHS | {"/"}
+
+
+def client_key(headers: Mapping[str, str]) -> bytes:
+    """The key a client sends as llama-server reads it: `Authorization`, else `X-Api-Key`
+    (Anthropic's header), a leading `Bearer ` removed."""
+    raw = headers.get("Authorization") or headers.get("X-Api-Key") or ""
+    return header_bytes(raw).removeprefix(b"Bearer ")
+
+
 def client_refusal(request: web.Request, settings: Settings) -> web.Response | None:
-    """With --client-api-keys, every route but health checks needs one of them: kvproxy
-    sends llama-server its own key, so the server cannot tell clients apart any more."""
-    if not settings.client_api_keys or request.path in ("/health", "/v1/health"):
+    """With --client-api-keys, every route the server guards with its key needs one of them:
+    kvproxy sends llama-server its own key, so the server cannot tell clients apart any more."""
+    if not settings.client_api_keys or request.method == "OPTIONS":
         return None
-    given = header_bytes(request.headers.get("Authorization", ""))
+    if canonical_path(request.path) in KEYLESS_PATHS:
+        return None
+    given = client_key(request.headers)
     ok = False
     for key in settings.client_api_keys:
         # Every key is compared, so the time taken does not tell which one nearly matched.
-        ok |= hmac.compare_digest(given, f"Bearer {key.get_secret_value()}".encode())
+        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
     if ok:
         return None
     return error_response(
-        401, "Missing or wrong API key (Authorization: Bearer …).", "invalid_api_key"
+        401,
+        "Missing or wrong API key (Authorization: Bearer …, or X-Api-Key).",
+        "invalid_api_key",
     )
 
 
@@ -223,9 +241,19 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if request.content_length is not None and request.content_length > service.settings.max_body:
         return _too_large(service.settings)
 
+    if path in HEALTH_PATHS and not service.cache.looked:
+        # The server answers 503 until it is ready; kvproxy is ready once it has looked for
+        # the server: a client that waits for 200 then sends requests kvproxy can pin.
+        return loading_response()
+    if path in HEALTH_PATHS:
+        await service.cache.backend.rediscover_if_off(wake=False)
     if request.method == "POST":
         cache = service.cache
         adapter = service.keyed.get(path)
+        if adapter is not None or path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
+            not_yet = await cache.until_discovered()
+            if not_yet is not None:
+                return not_yet
         if adapter is not None:
             path_qs = _path_qs(path, request)
             return await cache.conversations.handle_keyed(request, path_qs, adapter)

@@ -43,3 +43,10 @@ def error_response(
 def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
     """The last event of a stream the server broke off: clients see an error, not a silent end."""
     return b"data: " + error_body(502, message, code) + b"\n\n"
+
+
+def loading_response(message: str = "Loading model") -> web.Response:
+    """What llama-server itself answers before it is ready (server-http.cpp, its server-state
+    middleware): a 503 clients and health checks already wait on."""
+    body = {"error": {"message": message, "type": "unavailable_error", "code": 503}}
+    return web.Response(status=503, body=orjson.dumps(body), content_type="application/json")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp.client_proto import ResponseHandler
 
 # The deadline of kvproxy's own POSTs whose length does not grow with tokens (templates,
 # tokenising, probes). Evaluations, saves and restores have none (api.py).
@@ -28,6 +30,58 @@ class UpstreamError(Exception):
 IDLE_REUSE_S = 4.0
 
 
+# Replies that have no body whatever their headers say (RFC 9110 §6.4.1).
+BODILESS_STATUSES = frozenset({b"204", b"304"})
+# Longest reply head buffered while looking for its status (aiohttp's own limits are below).
+_HEAD_LIMIT = 64 * 1024
+
+
+class LenientReplies(ResponseHandler):
+    """aiohttp's client protocol, as lenient as llama-server's other clients with a bodiless
+    reply framed loosely: the server's /cors-proxy answers `204` with `Transfer-Encoding:
+    chunked` and a `0` chunk, which aiohttp (rightly giving a 204 no body) reads as the start
+    of a next reply, "Bad status line", failing the 204 itself. Here the bytes after a 204 or
+    304 head are dropped and the connection is not reused (no pipelining: nothing else can
+    follow on it)."""
+
+    _head: bytes | None = b""
+    _dropping = False
+
+    def set_response_params(self, **kwargs: Any) -> None:
+        self._head = b""  # a new reply's head is next
+        self._dropping = False
+        super().set_response_params(**kwargs)
+
+    def data_received(self, data: bytes) -> None:
+        if self._dropping:
+            return
+        if self._head is None or not data:
+            super().data_received(data)
+            return
+        head = self._head + data
+        end = head.find(b"\r\n\r\n")
+        if end < 0 and len(head) <= _HEAD_LIMIT:
+            self._head = head  # the status line and headers are not all in yet
+            return
+        self._head = None
+        status_line = head.split(b"\r\n", 1)[0].split(b" ")
+        status = status_line[1] if len(status_line) > 1 else b""
+        if end >= 0 and status in BODILESS_STATUSES:
+            self._dropping = True
+            self.force_close()
+            super().data_received(head[: end + 4])
+            return
+        super().data_received(head)
+
+
+class LenientConnector(aiohttp.TCPConnector):
+    """A TCPConnector whose connections read replies with LenientReplies."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._factory = functools.partial(LenientReplies, loop=self._loop)  # type: ignore[assignment]
+
+
 class Upstream:
     def __init__(
         self, base_url: str, api_key: str | None = None, idle_reuse_s: float = IDLE_REUSE_S
@@ -41,7 +95,7 @@ class Upstream:
         # No total timeout: a long prefill or generation is normal. Reads may pause for a long
         # prefill too, so only the connect phase is bounded.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, connect=30)
-        connector = aiohttp.TCPConnector(
+        connector = LenientConnector(
             limit=0, ttl_dns_cache=300, keepalive_timeout=self.idle_reuse_s
         )
         self._session = aiohttp.ClientSession(

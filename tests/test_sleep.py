@@ -1,0 +1,81 @@
+"""A llama-server started with --sleep-idle-seconds unloads its model when idle: kvproxy
+watches it without waking it (GET /props shows `is_sleeping` and does not wake it; GET
+/slots, slot actions and completions do), and forgets what the slots held once it sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvproxy.cache import backend, wiring
+
+from .conftest import start_proxy
+from .fakeserver import FakeLlamaServer
+from .test_cache import chat, conv, settle, then
+
+
+@pytest.fixture
+def quick_housekeeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wiring, "HOUSEKEEPING_INTERVAL", 0.05)
+    monkeypatch.setattr(backend, "PROPS_CHECK_INTERVAL", 0.1)
+
+
+async def wait_until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition never held")
+
+
+@pytest.mark.usefixtures("quick_housekeeping")
+async def test_a_sleeping_server_is_watched_without_waking_it(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    async with FakeLlamaServer(slot_save_path=cache, sleep_idle_seconds=0.3) as fake:
+        proxy = await start_proxy(fake.url, cache)
+        try:
+            _, r1, h1 = await chat(proxy, conv(1))
+            assert h1["X-KVProxy-Cache"] == "miss"
+            await settle(proxy)
+            await wait_until(lambda: fake.is_sleeping)
+            asleep_at = len(fake.requests)
+            await asyncio.sleep(1.0)  # ten props checks
+            later = fake.requests[asleep_at:]
+            assert [r[1] for r in later if r[1] == "/props"], "kvproxy stopped watching"
+            assert {r[1] for r in later} == {"/props"}  # no GET /slots, nothing that wakes it
+            assert fake.wakes == 0 and fake.is_sleeping
+            assert proxy.cache.backend.sleeping
+            # The server emptied its slots: kvproxy no longer counts on what they held.
+            assert all(s.holding is None for s in proxy.cache.pool.slots)
+
+            status, _, h2 = await chat(proxy, then(conv(1), r1))  # a client wakes it
+            assert status == 200 and fake.wakes == 1
+            assert h2["X-KVProxy-Cache"] != "resident"
+            await settle(proxy)
+        finally:
+            await proxy.stop()
+
+
+@pytest.mark.usefixtures("quick_housekeeping")
+async def test_an_idle_save_does_not_wake_a_sleeping_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server fell asleep before kvproxy's props check noticed: the idle save asks /props
+    first, and leaves the server asleep (its slot is empty now: nothing to save)."""
+    monkeypatch.setattr(backend, "PROPS_CHECK_INTERVAL", 3600.0)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    async with FakeLlamaServer(slot_save_path=cache, sleep_idle_seconds=0.2) as fake:
+        proxy = await start_proxy(fake.url, cache, idle_save_after=0.6)
+        try:
+            await chat(proxy, conv(1))
+            await settle(proxy)
+            await wait_until(lambda: fake.is_sleeping)
+            await asyncio.sleep(1.0)  # the idle save is due
+            assert fake.wakes == 0 and not [a for a in fake.actions if a[0] == "save"]
+            assert all(s.holding is None for s in proxy.cache.pool.slots)
+        finally:
+            await proxy.stop()
