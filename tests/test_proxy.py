@@ -90,8 +90,13 @@ async def echo() -> AsyncIterator[EchoUpstream]:
 
 @pytest.fixture
 async def eproxy(echo: EchoUpstream, tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    # The stand-in's own routes are not llama-server's: the operator allows them.
     running = await start_proxy(
-        echo.url, tmp_path / "cache", upstream_api_key="server-key", max_body="1MiB"
+        echo.url,
+        tmp_path / "cache",
+        upstream_api_key="server-key",
+        max_body="1MiB",
+        allow_route=["/some/*", "/sse", "/hang", "/anything"],
     )
     yield running
     await running.stop()
@@ -243,7 +248,7 @@ async def test_cookies_the_server_sets_never_ride_along_on_other_requests(
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     # A host name, not an IP address: aiohttp's default jar ignores cookies from IP addresses.
-    proxy = await start_proxy(f"http://localhost:{port}", cache)
+    proxy = await start_proxy(f"http://localhost:{port}", cache, allow_route=["/set", "/echo"])
     try:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as s:
             async with s.get(proxy.url + "/set") as r:
