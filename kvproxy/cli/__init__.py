@@ -94,7 +94,7 @@ def _stop_quietly(listener: logging.handlers.QueueListener) -> None:
 async def serve(settings: Settings) -> int:
     from aiohttp import web
 
-    from kvproxy.edge.app import build_app
+    from kvproxy.edge.app import RUNNER_OPTIONS, build_app
     from kvproxy.server import leftover
     from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
     from kvproxy.server.managed import server_command as build_server_command
@@ -146,7 +146,7 @@ async def serve(settings: Settings) -> int:
         )
 
     app = build_app(settings, upstream_url)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, **RUNNER_OPTIONS)
     try:
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)

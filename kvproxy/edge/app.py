@@ -17,6 +17,7 @@ from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge import routes
 from kvproxy.edge.routes import RouteTable, Treatment, canonical_path, predict_routes
+from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
@@ -168,6 +169,14 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             "llama-server (the operator can allow it with --allow-route).",
             "not_found",
         )
+    encoding = refused_encoding(request.headers.get("Content-Encoding"))
+    if encoding is not None:
+        return error_response(
+            415,
+            f"Content-Encoding {encoding!r} is not accepted: send the request body "
+            "uncompressed (llama-server does not decompress request bodies).",
+            "unsupported_content_encoding",
+        )
     if request.content_length is not None and request.content_length > service.settings.max_body:
         return _too_large(service.settings)
 
@@ -248,6 +257,16 @@ async def guard(
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(500, "kvproxy internal error; see the proxy's log.", "proxy_error")
+
+
+# How the app is served. `auto_decompress` off: aiohttp would inflate a compressed request
+# body (under its original headers, past --max-body) or refuse one it cannot inflate with a
+# plain-text 400 before dispatch; kvproxy refuses them itself (http/bodies.py refused_encoding).
+RUNNER_OPTIONS: dict[str, Any] = {
+    "handler_cancellation": True,
+    "access_log": None,
+    "auto_decompress": False,
+}
 
 
 def build_app(settings: Settings, upstream_url: str) -> web.Application:
