@@ -91,6 +91,14 @@ class ConversationCache:
         summary = self.store.summary  # kept by the store's queries: no database read here
         return summary.entries, summary.bytes, self.store.max_bytes
 
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        """Per kind of per-namespace memory (bounds.py): (namespaces kept, evicted so far)."""
+        openings = self.conversations.openings.kept
+        return {
+            "habits": (len(self.habits.kept), self.habits.evicted),
+            "openings": (len(openings), openings.evicted),
+        }
+
     def state(self) -> dict[str, Any]:
         """What the cache holds now (`/kvproxy/stats` adds the counters)."""
         entries, used, _budget = self.disk_usage()
@@ -103,6 +111,7 @@ class ConversationCache:
             "disk_bytes": used,
             "queue_waiting": self.pool.waiting,
             "live_conversations": self.warmer.live.count(time.monotonic()),
+            "namespaces": {kind: kept for kind, (kept, _) in self.namespaces().items()},
             "slots": [
                 {
                     "id": s.id,
@@ -133,8 +142,12 @@ class ConversationCache:
             started.set()
             return
         log.info("cache dir open in %.2f s", time.perf_counter() - began)
-        self.habits.load(await asyncio.to_thread(dirfiles.read, self.store.root, dirfiles.HABITS))
-        self._habits_written = self.habits.changes
+        found = await asyncio.to_thread(
+            dirfiles.read, self.store.root, dirfiles.HABITS, dirfiles.HABITS_READ_LIMIT
+        )
+        trimmed = self.habits.load(found)
+        # A file past the bounds is written back trimmed at the next housekeeping tick.
+        self._habits_written = self.habits.changes - int(trimmed)
         window = self.settings.live_window
         if window > 0:
             self.warmer.recall(await self.store.used_since_async(time.time() - window))

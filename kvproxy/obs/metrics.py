@@ -10,11 +10,11 @@ always agree.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.cache.policy import Decision
@@ -45,6 +45,10 @@ class Gauged(Protocol):
 
     def disk_usage(self) -> tuple[int, int, int]:
         """(entries, bytes, budget)."""
+        ...
+
+    def namespaces(self) -> Mapping[str, tuple[int, int]]:
+        """Per kind of per-namespace memory: (namespaces kept, evicted so far)."""
         ...
 
 
@@ -310,6 +314,22 @@ class _CacheCollector:
             "1 when slot pinning works (GET /slots answered).",
             int(cache.enabled),
         )
+        kept = GaugeMetricFamily(
+            "kvproxy_namespaces",
+            "Namespaces whose learnt state is kept, by kind (habits, openings).",
+            labels=["kind"],
+        )
+        evicted = CounterMetricFamily(
+            "kvproxy_namespace_evictions",
+            "Namespaces whose learnt state was dropped to keep within the per-tenant and "
+            "total bounds (least recently used first), by kind.",
+            labels=["kind"],
+        )
+        for kind, (n_kept, n_evicted) in cache.namespaces().items():
+            kept.add_metric([kind], n_kept)
+            evicted.add_metric([kind], n_evicted)
+        yield kept
+        yield evicted
         yield _gauge(
             "kvproxy_disk_cache_enabled",
             "1 while slot save/restore works (llama-server has --slot-save-path).",

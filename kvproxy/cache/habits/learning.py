@@ -32,7 +32,9 @@ class HabitLearning:
             if shared >= len(held.messages) or worth_comparing(
                 len(held.messages), len(conv.messages), shared
             ):
-                return self.habits.learn(conv.namespace, held.messages, conv.messages, shared)
+                return self.habits.learn(
+                    conv.namespace, held.messages, conv.messages, shared, conv.tenant
+                )
         if self.backend.disk_enabled:
             self.background.spawn(self._from_stored(conv))
         return False
@@ -53,4 +55,4 @@ class HabitLearning:
             return
         messages = await asyncio.to_thread(self.store.read_messages, entry.key)
         if messages and len(messages) == len(entry.chain):
-            self.habits.learn(conv.namespace, messages, conv.messages, shared)
+            self.habits.learn(conv.namespace, messages, conv.messages, shared, conv.tenant)
