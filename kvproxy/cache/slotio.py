@@ -269,6 +269,8 @@ class SlotWork:
             # Hashing reads the file while the server reads it too: the check costs no time
             # unless it is slower than the restore, and nothing is forwarded before it passed.
             checked = asyncio.ensure_future(asyncio.to_thread(self.store.verify_checksum, entry))
+            # Retrieved whatever happens: a restore that fails leaves the check unawaited.
+            checked.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
                 restored: Restored = await self.client.restore(
                     slot.id, self.store.state_name(entry.key)

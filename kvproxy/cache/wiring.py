@@ -14,12 +14,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kvproxy.cache.backend import Backend
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.events import Events
+from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.leases import Background
@@ -45,7 +47,9 @@ class ConversationCache:
         self.store = Store(Path(settings.cache_dir), settings.ttl, int(settings.max_disk))
         self.habits = Habits()
         self.guard = RestoreGuard()
-        self.background = Background()
+        self.faults = Faults()  # what fails in work nobody waits for (faults.py)
+        self.background = Background(self.faults)
+        self.store.on_orphaned_error = partial(self.faults.failed, "store operation")
         self.work = SlotWork(
             self.backend, self.store, settings, events, self.habits, self.guard, self.background
         )
@@ -91,6 +95,10 @@ class ConversationCache:
         summary = self.store.summary  # kept by the store's queries: no database read here
         return summary.entries, summary.bytes, self.store.max_bytes
 
+    def fault_summary(self) -> dict[str, tuple[bool, int]]:
+        """Per kind of background work: (failing now, errors so far) (faults.py)."""
+        return self.faults.summary()
+
     def namespaces(self) -> dict[str, tuple[int, int]]:
         """Per kind of per-namespace memory (bounds.py): (namespaces kept, evicted so far)."""
         openings = self.conversations.openings.kept
@@ -111,6 +119,7 @@ class ConversationCache:
             "disk_bytes": used,
             "queue_waiting": self.pool.waiting,
             "live_conversations": self.warmer.live.count(time.monotonic()),
+            "faults": self.faults.failing(),
             "namespaces": {kind: kept for kind, (kept, _) in self.namespaces().items()},
             "slots": [
                 {
@@ -198,8 +207,9 @@ class ConversationCache:
                 dirfiles.write, self.store.root, dirfiles.HABITS, self.habits.to_json()
             )
         except OSError as exc:
-            log.warning("cannot write %s: %s", dirfiles.HABITS, exc)
+            self.faults.failed(f"writing {dirfiles.HABITS}", exc)
             return
+        self.faults.succeeded(f"writing {dirfiles.HABITS}")
         self._habits_written = changes
 
     # --- housekeeping
@@ -219,8 +229,11 @@ class ConversationCache:
                     self.warmer.kick()
             except UpstreamError as exc:
                 log.debug("housekeeping: %s", exc)
-            except Exception:
-                log.exception("housekeeping failed")
+            except Exception as exc:
+                # A full disk or a broken index fails every tick: logged once (faults.py).
+                self.faults.failed("housekeeping", exc)
+            else:
+                self.faults.succeeded("housekeeping")
 
     async def notice_removals(self) -> None:
         gone = await self.store.forget_removed_async()

@@ -51,6 +51,10 @@ class Gauged(Protocol):
         """Per kind of per-namespace memory: (namespaces kept, evicted so far)."""
         ...
 
+    def fault_summary(self) -> Mapping[str, tuple[bool, int]]:
+        """Per kind of background work: (failing now, errors so far)."""
+        ...
+
 
 class Metrics:
     """A cache listener that keeps Prometheus metrics for one proxy."""
@@ -330,6 +334,23 @@ class _CacheCollector:
             evicted.add_metric([kind], n_evicted)
         yield kept
         yield evicted
+        failing = GaugeMetricFamily(
+            "kvproxy_background_failing",
+            "1 while a kind of background work (a store update, housekeeping, writing habits) "
+            "keeps failing, e.g. on a full disk; logged once when it starts and once when it "
+            "ends.",
+            labels=["kind"],
+        )
+        errors = CounterMetricFamily(
+            "kvproxy_background_errors",
+            "Failures of background work, by kind.",
+            labels=["kind"],
+        )
+        for kind, (now, n_errors) in cache.fault_summary().items():
+            failing.add_metric([kind], int(now))
+            errors.add_metric([kind], n_errors)
+        yield failing
+        yield errors
         yield _gauge(
             "kvproxy_disk_cache_enabled",
             "1 while slot save/restore works (llama-server has --slot-save-path).",

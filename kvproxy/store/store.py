@@ -59,7 +59,10 @@ class Store:
         self.ready = False  # opened: the proxy serves uncached until then
         self.summary = Totals(0, 0)
         self._pinned: dict[str, int] = {}
-        self._serial = PerKey().run  # file operations: one at a time per key, in issue order
+        # File operations: one at a time per key, in issue order. What one raises after its
+        # caller left goes to `on_orphaned_error` (the cache reports it as a fault).
+        self.on_orphaned_error: Callable[[BaseException], None] | None = None
+        self._serial = PerKey(self._orphaned).run
         self._committing: dict[str, int] = {}  # keys with a commit in flight
         self._watchers: list[set[str]] = []  # keys committed while an eviction runs
         self._local = threading.local()  # one IndexDB per thread
@@ -240,6 +243,10 @@ class Store:
                 await self._db(lambda db: db.insert(old))
             raise FileNotFoundError(f"llama-server wrote no file named {temp}")
         return await self._db(lambda db: db.insert(committed))
+
+    def _orphaned(self, exc: BaseException) -> None:
+        if self.on_orphaned_error is not None:
+            self.on_orphaned_error(exc)
 
     async def touch_async(self, key: str, hits: int = 1) -> None:
         """Record a use (for LRU across restarts); an entry gone meanwhile stays gone."""
