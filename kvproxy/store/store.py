@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +39,7 @@ from kvproxy.store.entry import Entry
 from kvproxy.store.files import StoreFiles
 from kvproxy.store.listing import Listing, Totals
 from kvproxy.store.perkey import PerKey
+from kvproxy.store.schema import DB_NAME
 from kvproxy.store.startup import open_index
 from kvproxy.store.thread import IndexThread
 from kvproxy.store.view import EntriesView
@@ -213,7 +216,7 @@ class Store:
 
     async def open_async(self) -> None:
         """Create the directory, import old `.idx` records, sweep what no row covers."""
-        self.problems = await self._db(partial(self._open_in, sweep=True))
+        self.problems, self.summary = await self._thread.run(self._open_recovering)
         self.ready = True
         self._log_opened()
 
@@ -295,9 +298,41 @@ class Store:
 
     def open(self) -> None:
         """Create the directory, import old `.idx` records, sweep what no row covers."""
-        self.problems = self._sync(partial(self._open_in, sweep=True))
+        self.problems, self.summary = self._open_recovering()
         self.ready = True
         self._log_opened()
+
+    def _open_recovering(self) -> tuple[list[tuple[str, str]], Totals]:
+        """The proxy's open, on the thread that owns the connection. An index SQLite finds
+        corrupt (or cannot open although it is there) is renamed `index.sqlite3.corrupt-<time>`
+        (its -wal and -shm beside it) and an empty one started, so caching goes on without a
+        restart. Its entries cannot be rebuilt: a state file's row (key chain, namespace,
+        checksum) is the only record of it, so the sweep then removes the state files, which
+        could not be checked. (`kvproxy ls|rm|gc` never move an index: a proxy may use it.)"""
+        try:
+            return self._open_with_totals()
+        except sqlite3.DatabaseError as exc:
+            path = self.root / DB_NAME
+            if not _corrupt(exc) or not os.path.lexists(path):
+                raise
+            self._close_local()
+            aside = f"{DB_NAME}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.lexists(f"{path}{suffix}"):
+                    os.rename(f"{path}{suffix}", self.root / f"{aside}{suffix}")
+            log.warning(
+                "the cache index %s is unusable (%s): moved aside to %s; starting an empty "
+                "index (state files without a row are swept)",
+                path,
+                exc,
+                aside,
+            )
+            return self._open_with_totals()
+
+    def _open_with_totals(self) -> tuple[list[tuple[str, str]], Totals]:
+        db = self._conn()
+        problems = self._open_in(db, sweep=True)
+        return problems, db.totals()
 
     def open_readonly(self) -> list[tuple[str, str]]:
         """Open the index without sweeping, for `kvproxy ls|rm|gc` while a proxy may be
@@ -389,3 +424,11 @@ class Store:
     def _log_opened(self) -> None:
         n, size = self.summary.entries, self.summary.bytes
         log.info("cache dir %s: %d entries, %d bytes", self.root, n, size)
+
+
+def _corrupt(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite's word that the index file itself is bad (not busy, full or read-only)."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if name:
+        return name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_CANTOPEN"))
+    return not isinstance(exc, sqlite3.OperationalError)
