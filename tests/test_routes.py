@@ -5,6 +5,7 @@ this server build; everything else is a 404 unless the operator allows it with -
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import pytest
 from kvproxy.cli.flags import add_settings_flags, settings_from_args
 from kvproxy.edge import routes
 from kvproxy.edge.routes import ROUTES, RouteTable, Treatment
+from kvproxy.server.managed import free_port
 
-from .conftest import RunningProxy, start_proxy
+from .conftest import RunningProxy, start_proxy, start_real_server
 from .test_proxy import EchoUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,3 +186,33 @@ def test_docs_route_table_is_generated_from_the_module() -> None:
     assert (ROOT / "docs" / "routes.md").read_text() == routes.markdown()
     readme = (ROOT / "README.md").read_text()
     assert "--allow-route" in readme and "docs/routes.md" in readme
+
+
+@pytest.mark.real
+async def test_a_predict_route_only_the_sidecar_server_knows_is_closed(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/'s units: the server runs with AIP_PREDICT_ROUTE=/v2/infer, kvproxy without it."""
+    port = free_port()
+    monkeypatch.setenv("AIP_MODE", "PREDICTION")
+    monkeypatch.setenv("AIP_HTTP_PORT", str(port))
+    monkeypatch.setenv("AIP_PREDICT_ROUTE", "/v2/infer")
+    server = await asyncio.to_thread(start_real_server, cache_dir, port=port)
+    for name in ("AIP_MODE", "AIP_HTTP_PORT", "AIP_PREDICT_ROUTE"):
+        monkeypatch.delenv(name)
+    try:
+        proxy = await start_proxy(server.url, cache_dir)
+        erase = {"instances": [{"@requestFormat": "/slots/:id_slot"}]}
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(server.url + "/v2/infer?id_slot=0&action=erase", json=erase) as r:
+                    assert r.status == 200  # the server alone runs the slot action
+                for action in ("erase", "save&filename=evil.kv"):
+                    url = proxy.url + f"/v2/infer?id_slot=0&action={action}"
+                    async with s.post(url, json=erase) as r:
+                        assert r.status == 404, await r.text()
+            assert not (cache_dir / "evil.kv").exists()
+        finally:
+            await proxy.stop()
+    finally:
+        await asyncio.to_thread(server.stop)
