@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -122,6 +123,15 @@ class Settings(BaseSettings):
         default_factory=list,
         description="extra Host header names accepted when bound to loopback (comma-separated)",
     )
+    allow_route: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="forward PATH although kvproxy's route table (docs/routes.md) does not "
+        "know it: every other route is answered 404. Passed through uncached, any method; "
+        "`PREFIX/*` allows everything under PREFIX (e.g. a server's --api-prefix); refused "
+        "routes (/slots, model loading, ...) stay refused. Repeatable (comma-separated in "
+        "the env var)",
+        json_schema_extra={"repeatable": True},
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_json: bool = Field(False, description="log one JSON object per line (every log record)")
@@ -153,6 +163,26 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
+
+    @field_validator("allow_route", mode="before")
+    @classmethod
+    def _split_routes(cls, value: object) -> object:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            return value
+        routes: list[str] = []
+        for item in items:
+            for part in str(item).split(","):
+                part = part.strip()
+                if not part:
+                    continue
+                if not part.startswith("/"):
+                    raise ValueError(f"{part!r} is not a path (it must start with /)")
+                under = part.endswith("/*")
+                norm = posixpath.normpath(part.removesuffix("/*") or "/")
+                norm = "/" + norm.lstrip("/")
+                routes.append(norm.rstrip("/") + "/*" if under else norm)
+        return routes
 
     @property
     def hosts(self) -> list[str]:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
-from kvproxy.edge.app import SERVICE, build_app
+from kvproxy.edge.app import RUNNER_OPTIONS, SERVICE, build_app
 from kvproxy.server.managed import (
     ManagedServer,
     find_server_binary,
@@ -74,7 +74,7 @@ async def start_proxy(
         **{"min_tokens": 0, "idle_save_after": 3600, **overrides},
     )
     app = build_app(settings, upstream_url)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, **RUNNER_OPTIONS)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", settings.port).start()
     running = RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)

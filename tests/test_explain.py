@@ -207,12 +207,12 @@ def test_text_is_kept_beside_the_state(tmp_path: Path) -> None:
     assert entry.messages is None  # on disk, not in memory
     assert not [p for p in tmp_path.glob(DB_NAME + "*") if b"m0" in p.read_bytes()]  # nor index
     assert store.total_bytes == entry.state_bytes + msgs.stat().st_size
-    assert store.read_many_messages(store.recent_with_text(NS)) == [(entry.key, messages)]
+    assert store.files.read_many_messages(store.recent_with_text(NS)) == [(entry.key, messages)]
     assert store.recent_with_text(keys.namespace("m", {}, "another tenant")) == []
 
     again = Store(tmp_path, ttl=0, max_bytes=0)
     again.open()
-    assert again.read_messages(entry.key) == messages
+    assert again.files.read_messages(entry.key) == messages
     assert again.total_bytes == store.total_bytes
     again.remove(entry.key)
     assert [p for p in tmp_path.iterdir() if not p.name.startswith(DB_NAME)] == []
@@ -232,5 +232,5 @@ def test_older_index_records_and_stray_text_files(tmp_path: Path) -> None:
     again = Store(tmp_path, ttl=0, max_bytes=0)
     again.open()
     assert list(again.entries) == [entry.key]
-    assert again.read_messages(entry.key) is None
+    assert again.files.read_messages(entry.key) is None
     assert not stray.exists()

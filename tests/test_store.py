@@ -119,7 +119,7 @@ def test_old_idx_records_are_imported_once(tmp_path: Path) -> None:
     assert store.total_bytes == 1100 + 1000 + 31
     # The records are gone: an older kvproxy opening the dir sweeps rather than trusts them.
     assert not list(tmp_path.glob("*.idx"))
-    assert store.check_state_file(store.entries[a.key]) is None
+    assert store.files.check_state_file(store.entries[a.key]) is None
     found = store.lookup(b.chain, NS)
     assert found is not None and found[0].key == b.key and found[1] == 3
     again = Store(tmp_path, ttl=0, max_bytes=0)
@@ -213,11 +213,11 @@ def test_check_state_file(tmp_path: Path) -> None:
     store = Store(tmp_path, ttl=0, max_bytes=0)
     store.open()
     entry = save(store, 1)
-    assert store.check_state_file(entry) is None
+    assert store.files.check_state_file(entry) is None
     (tmp_path / f"{entry.key}.kv").write_bytes(b"x" * 1000)
-    assert "not a llama.cpp" in (store.check_state_file(entry) or "")
+    assert "not a llama.cpp" in (store.files.check_state_file(entry) or "")
     (tmp_path / f"{entry.key}.kv").unlink()
-    assert store.check_state_file(entry) is not None
+    assert store.files.check_state_file(entry) is not None
 
 
 def test_entries_of_another_model_never_match(tmp_path: Path) -> None:
@@ -265,7 +265,7 @@ def test_a_commit_of_nothing_keeps_the_old_entry(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="wrote no file"):
         store.commit(again, store.temp_name(entry.key))  # the server wrote nothing there
     assert store.entries == {entry.key: entry}
-    assert store.check_state_file(entry) is None
+    assert store.files.check_state_file(entry) is None
 
 
 def test_another_process_sees_the_same_rows(tmp_path: Path) -> None:
@@ -368,5 +368,5 @@ async def test_an_eviction_racing_a_commit_of_its_victim_keeps_the_new_files(
     again = await saving
     assert victims == [] or victims[0].key != first.key
     assert store.entries[first.key].state_bytes == 400
-    assert store.check_state_file(again) is None
+    assert store.files.check_state_file(again) is None
     store.close()

@@ -271,7 +271,7 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
         entry = next(it)
         store.pin(entry.key)
         try:
-            problem = await asyncio.to_thread(store.check_state_file, entry)
+            problem = await asyncio.to_thread(store.files.check_state_file, entry)
             assert problem is None, problem
         finally:
             store.unpin(entry.key)
@@ -283,7 +283,7 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
     raw["touch_ms"] = med * 1000
     checks = iter(picks * 2)
     med, _ = await _timed(
-        len(picks), lambda: asyncio.to_thread(store.verify_checksum, next(checks))
+        len(picks), lambda: asyncio.to_thread(store.files.verify_checksum, next(checks))
     )
     raw["checksum_ms"] = med * 1000
 

@@ -190,7 +190,7 @@ async def explain_against(
         found = explain_miss(messages, candidates) if candidates else None
         stored = await store.recent_with_text_async(namespace) if found is None else []
         if stored:
-            texts = await asyncio.to_thread(store.read_many_messages, stored)
+            texts = await asyncio.to_thread(store.files.read_many_messages, stored)
             found = explain_miss(messages, [(f"disk {k[:12]}", m) for k, m in texts])
         return found
     except Exception:

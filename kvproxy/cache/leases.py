@@ -9,25 +9,43 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
+from kvproxy.cache.faults import Faults
 from kvproxy.cache.slots import Slot, SlotPool
 
 _T = TypeVar("_T")
 
 
 class Background:
-    """Detached tasks, kept referenced until done and awaited at shutdown."""
+    """Detached tasks, kept referenced until done and awaited at shutdown. Their owner: what
+    one raises is reported to `faults` under its kind (the coroutine's name), never left to
+    asyncio's "Task exception was never retrieved"."""
 
-    def __init__(self) -> None:
+    def __init__(self, faults: Faults | None = None) -> None:
         self._tasks: set[asyncio.Future[Any]] = set()
+        self.faults = faults if faults is not None else Faults()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        self.track(asyncio.ensure_future(coro))
+    def spawn(self, coro: Coroutine[Any, Any, Any], kind: str | None = None) -> None:
+        self.track(asyncio.ensure_future(coro), kind or _kind_of(coro))
 
-    def track(self, task: asyncio.Future[Any]) -> None:
+    def track(self, task: asyncio.Future[Any], kind: str | None = None) -> None:
+        if kind is None:
+            coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+            kind = _kind_of(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(partial(self._settled, kind))
+
+    def _settled(self, kind: str, task: asyncio.Future[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved: asyncio will not complain of it
+        if exc is None:
+            self.faults.succeeded(kind)
+        else:
+            self.faults.failed(kind, exc)
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -35,6 +53,11 @@ class Background:
     async def wait(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _kind_of(coro: object) -> str:
+    name = getattr(coro, "__qualname__", None)
+    return name if isinstance(name, str) else "background task"
 
 
 class Lease:

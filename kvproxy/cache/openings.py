@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvproxy.cache.bounds import NamespaceLRU
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits import worth_comparing
@@ -86,6 +87,7 @@ class Openings:
         self.settings = ctx.settings
         self.work = work
         self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
+        self.kept = NamespaceLRU()  # which namespaces' openings are remembered (bounds.py)
         self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
 
     # --- the model class's rule
@@ -172,9 +174,11 @@ class Openings:
         if worth_comparing(depth, len(conv.keys), best):
             return  # parts near the end, going on: a client's rewrite (habits.py), no branch
         if best and not extends and best < len(conv.keys):
-            self._note(conv.namespace, conv.keys[best - 1], best)
+            self._note(conv.namespace, conv.keys[best - 1], best, conv.tenant)
 
-    def _note(self, namespace: str, key: str, depth: int) -> None:
+    def _note(self, namespace: str, key: str, depth: int, tenant: str | None = None) -> None:
+        for gone in self.kept.add(namespace, tenant):
+            self._seen.pop(gone, None)
         seen = self._seen.setdefault(namespace, {})
         seen.pop(key, None)
         seen[key] = depth
@@ -184,6 +188,7 @@ class Openings:
     async def wanted(self, holding: Holding) -> int:
         """The deepest opening the holding passes through that has no entry yet (0: none)."""
         seen = self._seen.get(holding.namespace, {})
+        self.kept.touch(holding.namespace)
         depths = [
             d for k, d in seen.items() if d < len(holding.chain) and holding.chain[d - 1] == k
         ]

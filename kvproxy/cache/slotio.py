@@ -194,7 +194,7 @@ class SlotWork:
     async def _save_failed(self, started: float, temp: str) -> None:
         seconds = time.perf_counter() - started
         self.events.slot_action(SlotActionEvent("save", False, seconds=seconds))
-        await asyncio.to_thread(self.store.discard_temp, temp)
+        await asyncio.to_thread(self.store.files.discard_temp, temp)
 
     async def _make_canonical(self, slot: Slot) -> None:
         """Make the slot hold exactly the prefix the conversation's next request starts with
@@ -252,7 +252,7 @@ class SlotWork:
         """Load `entry` into the slot; on failure the entry is dropped and None returned."""
         self.store.pin(entry.key)
         try:
-            problem = await asyncio.to_thread(self.store.check_state_file, entry)
+            problem = await asyncio.to_thread(self.store.files.check_state_file, entry)
             if problem is not None:
                 log.warning("dropping cache entry %s: %s", entry.key[:12], problem)
                 await self.store.remove_async(entry)
@@ -260,7 +260,11 @@ class SlotWork:
             started = time.perf_counter()
             # Hashing reads the file while the server reads it too: the check costs no time
             # unless it is slower than the restore, and nothing is forwarded before it passed.
-            checked = asyncio.ensure_future(asyncio.to_thread(self.store.verify_checksum, entry))
+            checked = asyncio.ensure_future(
+                asyncio.to_thread(self.store.files.verify_checksum, entry)
+            )
+            # Retrieved whatever happens: a restore that fails leaves the check unawaited.
+            checked.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
                 restored: Restored = await self.client.restore(
                     slot.id, self.store.state_name(entry.key)

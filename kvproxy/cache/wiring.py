@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvproxy.cache.backend import Backend
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Events
+from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.keyed import Conversations
@@ -52,7 +54,9 @@ class ConversationCache:
         self.store = Store(Path(settings.cache_dir), settings.ttl, int(settings.max_disk))
         self.habits = Habits()
         self.guard = RestoreGuard()
-        self.background = Background()
+        self.faults = Faults()  # what fails in work nobody waits for (faults.py)
+        self.background = Background(self.faults)
+        self.store.on_orphaned_error = partial(self.faults.failed, "store operation")
         # The one place every part is built: each gets the context and the parts it uses.
         ctx = CacheContext(
             settings, self.backend, self.store, events, self.habits, self.guard, self.background
@@ -91,6 +95,18 @@ class ConversationCache:
         summary = self.store.summary  # kept by the store's queries: no database read here
         return summary.entries, summary.bytes, self.store.max_bytes
 
+    def fault_summary(self) -> dict[str, tuple[bool, int]]:
+        """Per kind of background work: (failing now, errors so far) (faults.py)."""
+        return self.faults.summary()
+
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        """Per kind of per-namespace memory (bounds.py): (namespaces kept, evicted so far)."""
+        openings = self.openings.kept
+        return {
+            "habits": (len(self.habits.kept), self.habits.evicted),
+            "openings": (len(openings), openings.evicted),
+        }
+
     def state(self) -> dict[str, Any]:
         """What the cache holds now (`/kvproxy/stats` adds the counters)."""
         entries, used, _budget = self.disk_usage()
@@ -103,6 +119,8 @@ class ConversationCache:
             "disk_bytes": used,
             "queue_waiting": self.pool.waiting,
             "live_conversations": self.warmer.live.count(time.monotonic()),
+            "faults": self.faults.failing(),
+            "namespaces": {kind: kept for kind, (kept, _) in self.namespaces().items()},
             "slots": [
                 {
                     "id": s.id,
@@ -133,8 +151,12 @@ class ConversationCache:
             started.set()
             return
         log.info("cache dir open in %.2f s", time.perf_counter() - began)
-        self.habits.load(await asyncio.to_thread(dirfiles.read, self.store.root, dirfiles.HABITS))
-        self._habits_written = self.habits.changes
+        found = await asyncio.to_thread(
+            dirfiles.read, self.store.root, dirfiles.HABITS, dirfiles.HABITS_READ_LIMIT
+        )
+        trimmed = self.habits.load(found)
+        # A file past the bounds is written back trimmed at the next housekeeping tick.
+        self._habits_written = self.habits.changes - int(trimmed)
         window = self.settings.live_window
         if window > 0:
             self.warmer.recall(await self.store.used_since_async(time.time() - window))
@@ -231,8 +253,9 @@ class ConversationCache:
                 dirfiles.write, self.store.root, dirfiles.HABITS, self.habits.to_json()
             )
         except OSError as exc:
-            log.warning("cannot write %s: %s", dirfiles.HABITS, exc)
+            self.faults.failed(f"writing {dirfiles.HABITS}", exc)
             return
+        self.faults.succeeded(f"writing {dirfiles.HABITS}")
         self._habits_written = changes
 
     # --- housekeeping
@@ -252,8 +275,11 @@ class ConversationCache:
                     self.warmer.kick()
             except UpstreamError as exc:
                 log.debug("housekeeping: %s", exc)
-            except Exception:
-                log.exception("housekeeping failed")
+            except Exception as exc:
+                # A full disk or a broken index fails every tick: logged once (faults.py).
+                self.faults.failed("housekeeping", exc)
+            else:
+                self.faults.succeeded("housekeeping")
 
     async def notice_removals(self) -> None:
         gone = await self.store.forget_removed_async()

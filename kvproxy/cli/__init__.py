@@ -116,7 +116,7 @@ async def listen(runner: web.BaseRunner, settings: Settings) -> None:
 async def serve(settings: Settings) -> int:
     from aiohttp import web
 
-    from kvproxy.edge.app import build_app
+    from kvproxy.edge.app import RUNNER_OPTIONS, build_app
     from kvproxy.server import leftover
     from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
     from kvproxy.server.managed import server_command as build_server_command
@@ -169,12 +169,7 @@ async def serve(settings: Settings) -> int:
 
     app = build_app(settings, upstream_url)
     # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off.
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=settings.shutdown_timeout / 3,
-    )
+    runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=settings.shutdown_timeout / 3)
     try:
         await runner.setup()
         await listen(runner, settings)

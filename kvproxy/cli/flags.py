@@ -38,6 +38,15 @@ def add_settings_flags(parser: argparse.ArgumentParser, only: Sequence[str] | No
                 default=argparse.SUPPRESS,
                 help=help_text,
             )
+        elif isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("repeatable"):
+            parser.add_argument(
+                flag,
+                dest=name,
+                action="append",
+                default=argparse.SUPPRESS,
+                metavar=name.upper(),
+                help=help_text,
+            )
         else:
             parser.add_argument(
                 flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text

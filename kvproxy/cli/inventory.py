@@ -104,7 +104,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     )
     shown, selected = store.listing(query)
     # Only the rows shown are checked (a few lstats each): a damaged one is named, not listed.
-    damaged = [(e.key, why) for e in shown if (why := store.check_state_file(e)) is not None]
+    damaged = [(e.key, why) for e in shown if (why := store.files.check_state_file(e)) is not None]
     if damaged:
         print(
             f"{len(damaged)} damaged {entries_(len(damaged), counted=False)} not shown (a "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import posixpath
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import quote
@@ -13,10 +12,12 @@ from urllib.parse import quote
 import orjson
 from aiohttp import StreamReader, web
 
-from kvproxy.cache.backend import SLOT_PICKING_ROUTES
 from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
+from kvproxy.edge import routes
+from kvproxy.edge.routes import RouteTable, Treatment, canonical_path, predict_routes
+from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
@@ -36,69 +37,9 @@ RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})
 # Anthropic Messages: the server ignores `id_slot` there, so kvproxy sends it as chat.
 MESSAGES_PATHS = frozenset({"/v1/messages"})
 # Routes whose `id_slot` the server honours: pinned so the proxy's picture of slots stays true.
-PINNABLE_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
+PINNABLE_PATHS = routes.paths(Treatment.PINNED)
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
-UNPINNABLE_PATHS = frozenset({"/v1/messages", *SLOT_PICKING_ROUTES})
-
-# Resumable streams (server-stream.cpp): replay (GET), stop (DELETE) and discovery by id.
-RESUMABLE_STREAM_PATHS = frozenset({"/v1/stream", "/v1/streams/lookup"})
-
-
-def canonical_path(raw: str) -> str:
-    """Collapse `//`, `.` and `..` so `/v1/../slots` is seen as `/slots`."""
-    norm = posixpath.normpath("/" + raw.lstrip("/"))
-    return "/" if norm == "//" else norm
-
-
-def predict_routes(environ: Mapping[str, str]) -> frozenset[str]:
-    """The Vertex AI predict route of a llama-server under `AIP_MODE=PREDICTION`
-    (server-http.cpp `register_gcp_compat`): `/predict`, or `AIP_PREDICT_ROUTE` as the server
-    reads it (a leading `/` added). Both are refused, whatever the mode."""
-    custom = environ.get("AIP_PREDICT_ROUTE") or "/predict"
-    return frozenset(
-        {"/predict", canonical_path(custom if custom.startswith("/") else "/" + custom)}
-    )
-
-
-def blocked_reason(
-    method: str, path: str, predict: frozenset[str] = frozenset({"/predict"})
-) -> str | None:
-    """Server routes clients must never reach through the proxy, and why. A server started
-    with `--api-prefix P` serves every route under P (server-http.cpp `path_prefix`), so each
-    tail of the path is checked: `/P/slots/0` is `/slots/0` there."""
-    for at in range(len(path)):
-        if path[at] == "/":
-            reason = _blocked_route(method, path[at:], predict)
-            if reason is not None:
-                return reason
-    return None
-
-
-def _blocked_route(method: str, path: str, predict: frozenset[str]) -> str | None:
-    if path in predict:
-        # Each of `instances` runs through any route the server has, named by
-        # `@requestFormat` (`/slots/:id_slot`, `chatCompletions`, `/models/load`, ...) with
-        # this request's query string, all at once and on slots the server picks.
-        return (
-            f"{path} (Vertex AI predict) runs its instances through any server route, "
-            "slot actions included, on slots kvproxy does not own"
-        )
-    if path in RESUMABLE_STREAM_PATHS:
-        return (
-            f"{path} serves resumable streams, which llama-server keys by a client-chosen "
-            "conversation id with no owner (any tenant could read or stop another's); kvproxy "
-            "does not pass X-Conversation-Id, so no stream is resumable through it"
-        )
-    if path == "/slots" or path.startswith("/slots/"):
-        return (
-            "the /slots API is reserved to kvproxy: it decides what every slot holds, "
-            "and a client's save, restore or erase would corrupt that picture"
-        )
-    if method != "GET" and method != "HEAD" and path in ("/props", "/lora-adapters"):
-        return f"{method} {path} changes server-wide settings and is not exposed by kvproxy"
-    if path in ("/models/load", "/models/unload"):
-        return f"{path} loads or unloads models and is not exposed by kvproxy"
-    return None
+UNPINNABLE_PATHS = frozenset({"/v1/messages", *routes.paths(Treatment.EVERY_SLOT)})
 
 
 class Service:
@@ -107,7 +48,9 @@ class Service:
     def __init__(self, settings: Settings, upstream_url: str) -> None:
         self.settings = settings
         # kvproxy's environment is the managed server's, and usually the sidecar's too.
-        self.predict_routes = predict_routes(os.environ)
+        self.routes = RouteTable(settings.allow_route, predict_routes(os.environ))
+        for path in self.routes.refused_allowances():
+            log.warning("--allow-route %s names a route kvproxy refuses; it stays refused", path)
         self.upstream = Upstream(upstream_url, settings.api_key)
         self.events = Events()
         self.metrics = Metrics(
@@ -235,9 +178,24 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             return refused
     if path.startswith("/kvproxy/") or (path == "/metrics" and request.method == "GET"):
         return await own_route(request, service, path)
-    reason = blocked_reason(request.method, path, service.predict_routes)
-    if reason is not None:
-        return error_response(403, f"Forbidden: {reason}.", "forbidden_route")
+    decision = service.routes.decide(request.method, path)
+    if decision.treatment is Treatment.REFUSED:
+        return error_response(403, f"Forbidden: {decision.reason}.", "forbidden_route")
+    if decision.treatment is None:
+        return error_response(
+            404,
+            f"kvproxy does not forward {request.method} {path}: not a route it knows for this "
+            "llama-server (the operator can allow it with --allow-route).",
+            "not_found",
+        )
+    encoding = refused_encoding(request.headers.get("Content-Encoding"))
+    if encoding is not None:
+        return error_response(
+            415,
+            f"Content-Encoding {encoding!r} is not accepted: send the request body "
+            "uncompressed (llama-server does not decompress request bodies).",
+            "unsupported_content_encoding",
+        )
     if request.content_length is not None and request.content_length > service.settings.max_body:
         return _too_large(service.settings)
 
@@ -328,6 +286,16 @@ async def guard(
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(500, "kvproxy internal error; see the proxy's log.", "proxy_error")
+
+
+# How the app is served. `auto_decompress` off: aiohttp would inflate a compressed request
+# body (under its original headers, past --max-body) or refuse one it cannot inflate with a
+# plain-text 400 before dispatch; kvproxy refuses them itself (http/bodies.py refused_encoding).
+RUNNER_OPTIONS: dict[str, Any] = {
+    "handler_cancellation": True,
+    "access_log": None,
+    "auto_decompress": False,
+}
 
 
 def build_app(settings: Settings, upstream_url: str) -> web.Application:

@@ -76,3 +76,21 @@ def deeper_than(value: Any, limit: int, raw: bytes | None = None) -> bool:
                     return True
                 stack.append((child, depth + 1))
     return False
+
+
+def refused_encoding(content_encoding: str | None) -> str | None:
+    """The request's `Content-Encoding` if kvproxy refuses it, else None.
+
+    llama-server reads request bodies with cpp-httplib, which inflates gzip/deflate (br,
+    zstd) only when built with that library (CPPHTTPLIB_ZLIB_SUPPORT, ...); the bundled build
+    links no zlib, so it answers 415 to them, and aiohttp would inflate them before kvproxy
+    saw the bytes, past --max-body and under the original Content-Length. So the rule, on
+    every route kvproxy forwards: a body is sent as it is (no header, or `identity`), and any
+    other Content-Encoding is a 415 before a byte of the body is read.
+    """
+    if content_encoding is None:
+        return None
+    codings = [c.strip().lower() for c in content_encoding.split(",")]
+    if all(c in ("", "identity") for c in codings):
+        return None
+    return content_encoding.strip() or None

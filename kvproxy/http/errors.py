@@ -11,6 +11,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     502: "server_error",
     503: "server_error",
     504: "server_error",

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.cache.policy import Decision
-from kvproxy.cache.slots import SlotPool
+from kvproxy.obs.gauges import CacheCollector, Gauged
 from kvproxy.obs.requestlog import prefill_saved_s
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -29,23 +28,6 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 ACTION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BYTE_BUCKETS = tuple(float(1 << s) for s in range(20, 37, 2))  # 1 MiB … 64 GiB, ×4
-
-
-class Gauged(Protocol):
-    """What the scrape reads off the cache."""
-
-    @property
-    def pool(self) -> SlotPool: ...
-
-    @property
-    def enabled(self) -> bool: ...
-
-    @property
-    def disk_enabled(self) -> bool: ...
-
-    def disk_usage(self) -> tuple[int, int, int]:
-        """(entries, bytes, budget)."""
-        ...
 
 
 class Metrics:
@@ -174,7 +156,7 @@ class Metrics:
 
     def watch(self, cache: Gauged) -> None:
         """Read the gauges off `cache` at every scrape."""
-        self.registry.register(_CacheCollector(cache))
+        self.registry.register(CacheCollector(cache))
 
     # --- the listener
 
@@ -269,56 +251,6 @@ class Metrics:
             "slot_resets_seen": int(_total(self.counts[Count.SLOT_RESET])),
             "histograms": histograms,
         }
-
-
-class _CacheCollector:
-    """What is read off the cache at scrape time."""
-
-    def __init__(self, cache: Gauged) -> None:
-        self.cache = cache
-
-    def collect(self) -> Iterator[Metric]:
-        cache = self.cache
-        pool = cache.pool
-        entries, used, budget = cache.disk_usage()
-        yield _gauge("kvproxy_cache_entries", "Entries in the cache dir.", entries)
-        yield _gauge(
-            "kvproxy_cache_bytes",
-            "Bytes of the entries in the cache dir (states, sidecars, conversation text).",
-            used,
-        )
-        yield _gauge(
-            "kvproxy_cache_budget_bytes",
-            "The cache dir's byte budget (--max-disk; 0 = none).",
-            budget,
-        )
-        yield _gauge("kvproxy_queue_depth", "Requests waiting for a slot.", pool.waiting)
-        yield _gauge("kvproxy_slots", "llama-server slots.", len(pool.slots))
-        yield _gauge(
-            "kvproxy_slots_busy",
-            "Slots serving a request or a save/restore.",
-            sum(1 for s in pool.slots if s.busy),
-        )
-        held = GaugeMetricFamily(
-            "kvproxy_slot_tokens", "Tokens of the conversation each slot holds.", labels=["slot"]
-        )
-        for slot in pool.slots:
-            held.add_metric([str(slot.id)], slot.holding.n_tokens if slot.holding else 0)
-        yield held
-        yield _gauge(
-            "kvproxy_caching_enabled",
-            "1 when slot pinning works (GET /slots answered).",
-            int(cache.enabled),
-        )
-        yield _gauge(
-            "kvproxy_disk_cache_enabled",
-            "1 while slot save/restore works (llama-server has --slot-save-path).",
-            int(cache.disk_enabled),
-        )
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
 
 
 def _values(metric: Any, suffix: str) -> Iterator[tuple[dict[str, str], float]]:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,16 @@ log = logging.getLogger("kvproxy.cache")
 HABITS = "habits.json"
 SERVER = "llama-server.json"
 MAX_BYTES = 1 << 20  # larger than kvproxy writes it: not read
+# habits.json is read up to this (an older kvproxy wrote it unbounded): what is read is then
+# trimmed to the bounds (habits.py), never discarded whole. A larger one is moved aside.
+HABITS_READ_LIMIT = 64 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def read(root: Path, name: str) -> Any | None:
-    """What the file holds, or None (absent, not a regular file, too large, not JSON)."""
+def read(root: Path, name: str, limit: int = MAX_BYTES) -> Any | None:
+    """What the file holds, or None (absent, not a regular file, too large, not JSON). A
+    regular file past `limit` is renamed `<name>.too-large-<time>`, so it is never
+    overwritten by the next write: an operator can still look at it."""
     path = root / name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
@@ -36,11 +42,17 @@ def read(root: Path, name: str) -> Any | None:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+        if not stat.S_ISREG(st.st_mode):
             log.warning("ignoring %s: not a file kvproxy wrote", path)
             return None
+        if st.st_size > limit:
+            aside = root / f"{name}.too-large-{int(time.time())}"
+            log.warning("%s is larger than %d bytes: moved aside to %s", path, limit, aside)
+            with contextlib.suppress(OSError):
+                os.rename(path, aside)
+            return None
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return orjson.loads(f.read(MAX_BYTES + 1))
+            return orjson.loads(f.read(limit + 1))
     except (OSError, orjson.JSONDecodeError) as exc:
         log.warning("ignoring %s: %s", path, exc)
         return None

@@ -16,8 +16,11 @@ T = TypeVar("T")
 
 
 class PerKey:
-    def __init__(self) -> None:
+    def __init__(self, orphaned: Callable[[BaseException], None] | None = None) -> None:
         self._last_op: dict[str, asyncio.Future[Any]] = {}  # per key, the latest operation
+        # Told what an operation raised once its caller was gone (cancelled): the task is
+        # still owned, never left to "Task exception was never retrieved".
+        self.orphaned = orphaned
 
     def run(self, keys: Iterable[str], work: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
         """Run `work()` once the operations issued earlier on `keys` are done. A task of its
@@ -29,13 +32,21 @@ class PerKey:
         task = asyncio.ensure_future(_after(earlier, work))
         for k in keys:
             self._last_op[k] = task
-        task.add_done_callback(partial(self._done, keys))
-        return asyncio.shield(task)
+        shielded = asyncio.shield(task)
+        task.add_done_callback(partial(self._done, keys, shielded=shielded))
+        return shielded
 
-    def _done(self, keys: list[str], task: asyncio.Future[Any]) -> None:
+    def _done(
+        self, keys: list[str], task: asyncio.Future[Any], shielded: asyncio.Future[Any]
+    ) -> None:
         for k in keys:
             if self._last_op.get(k) is task:
                 del self._last_op[k]
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved: the caller, if still there, gets it too
+        if exc is not None and shielded.cancelled() and self.orphaned is not None:
+            self.orphaned(exc)
 
 
 async def _after(earlier: set[asyncio.Future[Any]], work: Callable[[], Awaitable[T]]) -> T:

@@ -88,6 +88,15 @@ def connect(path: Path, create: bool) -> sqlite3.Connection:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     # Autocommit: every write is its own explicit transaction (IndexDB._write).
     conn = sqlite3.connect(path, timeout=30.0, isolation_level=None)
+    try:
+        _prepare(conn)
+    except BaseException:
+        conn.close()  # a file that is not a database: no connection left open on it
+        raise
+    return conn
+
+
+def _prepare(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA journal_mode=WAL")
     # NORMAL (WAL): no fsync per transaction, so a save's bookkeeping is not three fsyncs.
     # A killed process loses nothing (the WAL is in the OS's cache); a power cut may roll
@@ -102,7 +111,6 @@ def connect(path: Path, create: bool) -> sqlite3.Connection:
     if _schema_version(conn) is None:
         # executescript commits on its own; every statement is IF NOT EXISTS / OR IGNORE.
         conn.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}COMMIT;")
-    return conn
 
 
 def _schema_version(conn: sqlite3.Connection) -> str | None:

@@ -10,7 +10,10 @@ cache dir was imported they neither scan it.
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
 import time
+from pathlib import Path
 
 from kvproxy.store.db import IndexDB
 from kvproxy.store.files import Scanned, StoreFiles
@@ -49,3 +52,34 @@ def open_index(db: IndexDB, files: StoreFiles, sweep: bool) -> list[tuple[str, s
     if not scanned.problems:  # else a later open tries (and reports) them again
         db.set_meta("opened", str(time.time()))
     return scanned.problems
+
+
+def set_aside(path: Path, exc: sqlite3.DatabaseError) -> bool:
+    """An index SQLite finds corrupt (or cannot open although it is there) is renamed
+    `index.sqlite3.corrupt-<time>` (its -wal and -shm beside it), so an empty one can be
+    started and caching goes on without a restart. Its entries cannot be rebuilt: a state
+    file's row (key chain, namespace, checksum) is the only record of it, so the sweep then
+    removes the state files, which could not be checked. (`kvproxy ls|rm|gc` never move an
+    index: a proxy may use it.) False when the error is not the file's (busy, full, read-only)."""
+    if not _corrupt(exc) or not os.path.lexists(path):
+        return False
+    aside = f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.lexists(f"{path}{suffix}"):
+            os.rename(f"{path}{suffix}", path.parent / f"{aside}{suffix}")
+    log.warning(
+        "the cache index %s is unusable (%s): moved aside to %s; starting an empty index "
+        "(state files without a row are swept)",
+        path,
+        exc,
+        aside,
+    )
+    return True
+
+
+def _corrupt(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite's word that the index file itself is bad (not busy, full or read-only)."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if name:
+        return name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_CANTOPEN"))
+    return not isinstance(exc, sqlite3.OperationalError)

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvproxy.keys import is_key
 from kvproxy.store.db import IndexDB
@@ -37,7 +38,8 @@ from kvproxy.store.entry import Entry
 from kvproxy.store.files import StoreFiles
 from kvproxy.store.listing import Listing, Totals
 from kvproxy.store.perkey import PerKey
-from kvproxy.store.startup import open_index
+from kvproxy.store.schema import DB_NAME
+from kvproxy.store.startup import open_index, set_aside
 from kvproxy.store.thread import IndexThread
 from kvproxy.store.view import EntriesView
 
@@ -59,7 +61,10 @@ class Store:
         self.ready = False  # opened: the proxy serves uncached until then
         self.summary = Totals(0, 0)
         self._pinned: dict[str, int] = {}
-        self._serial = PerKey().run  # file operations: one at a time per key, in issue order
+        # File operations: one at a time per key, in issue order. What one raises after its
+        # caller left goes to `on_orphaned_error` (the cache reports it as a fault).
+        self.on_orphaned_error: Callable[[BaseException], None] | None = None
+        self._serial = PerKey(self._orphaned).run
         self._committing: dict[str, int] = {}  # keys with a commit in flight
         self._watchers: list[set[str]] = []  # keys committed while an eviction runs
         self._local = threading.local()  # one IndexDB per thread
@@ -210,7 +215,7 @@ class Store:
 
     async def open_async(self) -> None:
         """Create the directory, import old `.idx` records, sweep what no row covers."""
-        self.problems = await self._db(partial(self._open_in, sweep=True))
+        self.problems, self.summary = await self._thread.run(self._open_recovering)
         self.ready = True
         self._log_opened()
 
@@ -240,6 +245,10 @@ class Store:
                 await self._db(lambda db: db.insert(old))
             raise FileNotFoundError(f"llama-server wrote no file named {temp}")
         return await self._db(lambda db: db.insert(committed))
+
+    def _orphaned(self, exc: BaseException) -> None:
+        if self.on_orphaned_error is not None:
+            self.on_orphaned_error(exc)
 
     async def touch_async(self, key: str, hits: int = 1) -> None:
         """Record a use (for LRU across restarts); an entry gone meanwhile stays gone."""
@@ -288,9 +297,25 @@ class Store:
 
     def open(self) -> None:
         """Create the directory, import old `.idx` records, sweep what no row covers."""
-        self.problems = self._sync(partial(self._open_in, sweep=True))
+        self.problems, self.summary = self._open_recovering()
         self.ready = True
         self._log_opened()
+
+    def _open_recovering(self) -> tuple[list[tuple[str, str]], Totals]:
+        """The proxy's open, on the thread that owns the connection; an unusable index is
+        moved aside and an empty one started (startup.set_aside)."""
+        try:
+            return self._open_with_totals()
+        except sqlite3.DatabaseError as exc:
+            if not set_aside(self.root / DB_NAME, exc):
+                raise
+            self._close_local()
+            return self._open_with_totals()
+
+    def _open_with_totals(self) -> tuple[list[tuple[str, str]], Totals]:
+        db = self._conn()
+        problems = self._open_in(db, sweep=True)
+        return problems, db.totals()
 
     def open_readonly(self) -> list[tuple[str, str]]:
         """Open the index without sweeping, for `kvproxy ls|rm|gc` while a proxy may be
@@ -363,21 +388,6 @@ class Store:
         self.files.delete(entries)
 
     # --- reads and temp clean-up: no index, any thread
-
-    def read_messages(self, key: str) -> list[Any] | None:
-        return self.files.read_messages(key)
-
-    def read_many_messages(self, keys: list[str]) -> list[tuple[str, list[Any]]]:
-        return self.files.read_many_messages(keys)
-
-    def check_state_file(self, entry: Entry) -> str | None:
-        return self.files.check_state_file(entry)
-
-    def verify_checksum(self, entry: Entry) -> str | None:
-        return self.files.verify_checksum(entry)
-
-    def discard_temp(self, temp: str) -> None:
-        self.files.discard_temp(temp)
 
     def _log_opened(self) -> None:
         n, size = self.summary.entries, self.summary.bytes

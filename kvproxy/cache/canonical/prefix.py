@@ -172,6 +172,9 @@ class EchoStyles:
     def get(self, namespace: str) -> str | None:
         return self._styles.get(namespace)
 
+    def forget(self, namespace: str) -> None:
+        self._styles.pop(namespace, None)
+
     def to_json(self) -> dict[str, str]:
         return dict(self._styles)
 

@@ -29,7 +29,9 @@ class HabitLearning:
             if shared >= len(held.messages) or worth_comparing(
                 len(held.messages), len(conv.messages), shared
             ):
-                return self.habits.learn(conv.namespace, held.messages, conv.messages, shared)
+                return self.habits.learn(
+                    conv.namespace, held.messages, conv.messages, shared, conv.tenant
+                )
         if self.backend.disk_enabled:
             self.background.spawn(self._from_stored(conv))
         return False
@@ -48,6 +50,6 @@ class HabitLearning:
             return
         if entry.chain[shared - 1] != conv.keys[shared - 1]:
             return
-        messages = await asyncio.to_thread(self.store.read_messages, entry.key)
+        messages = await asyncio.to_thread(self.store.files.read_messages, entry.key)
         if messages and len(messages) == len(entry.chain):
-            self.habits.learn(conv.namespace, messages, conv.messages, shared)
+            self.habits.learn(conv.namespace, messages, conv.messages, shared, conv.tenant)

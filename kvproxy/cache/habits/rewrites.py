@@ -151,6 +151,9 @@ class Rewrites:
     def get(self, namespace: str) -> list[Rewrite]:
         return self._seen.get(namespace, [])
 
+    def forget(self, namespace: str) -> None:
+        self._seen.pop(namespace, None)
+
     def to_json(self) -> dict[str, list[list[str]]]:
         return {
             ns: [[r.kind.value, r.role, r.text] for r in rules] for ns, rules in self._seen.items()

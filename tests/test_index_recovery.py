@@ -1,0 +1,85 @@
+"""A corrupt or unusable index.sqlite3 at start-up is moved aside and an empty index started:
+caching resumes at once, without a restart, and the bad file is kept for a look."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from kvproxy.store import Store
+from kvproxy.store.schema import DB_NAME
+
+from .conftest import start_proxy
+from .fakeserver import FakeLlamaServer
+from .test_cache import chat, conv, settle, then
+
+GARBAGE = b"this is not an SQLite database, just bytes a broken disk left " * 64
+
+
+def corrupt_pages(cache: Path) -> bytes:
+    """A real index whose pages after the header are overwritten: SQLite says 'malformed'."""
+    store = Store(cache, 3600.0, 0)
+    store.open()
+    store.close()
+    db = sqlite3.connect(cache / DB_NAME)
+    db.execute("PRAGMA journal_mode=DELETE")
+    db.execute("CREATE TABLE pad (x)")
+    db.executemany("INSERT INTO pad VALUES (?)", [("p" * 500,)] * 200)
+    db.commit()
+    db.close()
+    raw = bytearray((cache / DB_NAME).read_bytes())
+    raw[4096:] = b"\xa5" * (len(raw) - 4096)
+    (cache / DB_NAME).write_bytes(bytes(raw))
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "pages"])
+async def test_a_corrupt_index_is_moved_aside_and_caching_resumes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    if damage == "garbage":
+        (cache / DB_NAME).write_bytes(GARBAGE)
+        bad = GARBAGE
+    else:
+        bad = corrupt_pages(cache)
+    caplog.set_level(logging.INFO, logger="kvproxy")
+    fake = FakeLlamaServer(slot_save_path=cache)
+    await fake.start()
+    proxy = await start_proxy(fake.url, cache)
+    try:
+        assert proxy.stats()["cache_open"] is True
+        aside = [p for p in cache.glob(f"{DB_NAME}.corrupt-*") if not p.name.endswith("-shm")]
+        # Kept as it was (past the header, where SQLite may have set the WAL mode bytes).
+        assert len(aside) == 1 and aside[0].read_bytes()[100:] == bad[100:]
+        warned = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
+        assert len(warned) == 1
+        # Caching works on the fresh index: evicted, saved, restored.
+        replies = {}
+        for c in (1, 2, 3):
+            _, replies[c], _ = await chat(proxy, conv(c))
+        await settle(proxy)
+        status, _, h = await chat(proxy, then(conv(1), replies[1]))
+        assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+    finally:
+        await proxy.stop()
+        await fake.stop()
+
+
+def test_a_busy_or_read_only_index_is_never_moved(tmp_path: Path) -> None:
+    """Only SQLite's word for a bad file moves it: other errors are not corruption."""
+    from kvproxy.store.startup import _corrupt
+
+    assert not _corrupt(sqlite3.OperationalError("database is locked"))
+    try:
+        sqlite3.connect(tmp_path / "x").execute("PRAGMA journal_mode=WAL")
+        (tmp_path / "y").write_bytes(GARBAGE)
+        sqlite3.connect(tmp_path / "y").execute("PRAGMA journal_mode=WAL")
+    except sqlite3.DatabaseError as exc:
+        assert _corrupt(exc)
+    else:
+        raise AssertionError("garbage opened as a database")
