@@ -127,3 +127,14 @@ def test_log_json_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings({"log_json": True}).log_json is True
     monkeypatch.setenv("KVPROXY_LOG_JSON", "1")
     assert load_settings({}).log_json is True
+
+
+def test_the_line_says_what_kvproxy_computed_for_the_request() -> None:
+    """An opening evaluated on the way is computed for the request, though the reply's
+    cache_n counts it: the line and the JSON fields say how many tokens."""
+    event = RequestEvent(
+        "/v1/chat/completions", Decision.MISS, 200, key="ab" * 16, slot=0, cache_n=0, prompt_n=25
+    )
+    event.evaluated = 1514
+    assert "prompt_n=25 evaluated=1514" in format_request(event)
+    assert request_fields(event)["evaluated"] == 1514

@@ -51,6 +51,9 @@ class RequestEvent:
     cache_n: int | None = None  # from the reply's `timings`, when it had them
     prompt_n: int | None = None
     prompt_ms: float | None = None
+    # Tokens kvproxy had the server compute for the request before forwarding it (an opening
+    # to save on the way): computed for it, though the reply's cache_n counts them.
+    evaluated: int = 0
     miss: MissExplanation | None = None
     # Tokens a resident/restored decision expected the server to reuse (None: not judged),
     # and, when the server reused less than half of them, why.

@@ -222,6 +222,7 @@ class Conversations:
             cache_n=_less(_int_or_none(timings.get("cache_n")), prepared.evaluated),
             prompt_n=_int_or_none(timings.get("prompt_n")),
             prompt_ms=_float_or_none(timings.get("prompt_ms")),
+            evaluated=prepared.evaluated,
             expected_n=prepared.expected_n,
         )
         verdict = judge_reuse(prepared.expected_n, event.cache_n, event.prompt_n)

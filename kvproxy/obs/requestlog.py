@@ -82,6 +82,7 @@ def request_fields(event: RequestEvent) -> dict[str, Any]:
         "cache_n": event.cache_n,
         "prompt_n": event.prompt_n,
         "prompt_ms": event.prompt_ms,
+        "evaluated": event.evaluated,
         "prefill_saved_s": None if saved is None else round(saved, 4),
         "expected_n": event.expected_n,
     }
@@ -115,6 +116,8 @@ def format_request(event: RequestEvent, fields: dict[str, Any] | None = None) ->
         parts.append(f"cache_n={event.cache_n}")
     if event.prompt_n is not None:
         parts.append(f"prompt_n={event.prompt_n}")
+    if event.evaluated:
+        parts.append(f"evaluated={event.evaluated}")
     saved = fields["prefill_saved_s"]
     if saved is not None and event.cache_n:
         parts.append(f"saved≈{saved:.1f}s")
