@@ -307,6 +307,8 @@ class Conversations:
         self, event: RequestEvent, conv: Conversation, candidates: list[tuple[str, list[Any]]]
     ) -> None:
         event.miss = await explain_against(conv.namespace, conv.messages, candidates, self.store)
+        if event.miss is not None:
+            self.preparer.parted(conv, event.miss.message_index, event.miss.char_offset)
         self.events.request(event)
 
 

@@ -53,6 +53,7 @@ from kvproxy.cache.policy import (
 )
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, Slot, SlotPool
+from kvproxy.cache.stems import Stems
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 from kvproxy.wire import Conversation
@@ -75,6 +76,7 @@ class Found:
 
     best: tuple[Entry, int] | None
     longest: tuple[Entry, int] | None
+    stem: bool = False  # `best` is the stem of the request's system message (stems.py)
 
 
 NOTHING_FOUND = Found(None, None)
@@ -89,6 +91,7 @@ class Openings:
         self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
         self.kept = NamespaceLRU()  # which namespaces' openings are remembered (bounds.py)
         self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
+        self.stems = Stems(ctx, work)  # the heads of system messages before what changes
 
     # --- the model class's rule
 
@@ -123,7 +126,12 @@ class Openings:
             found = await self.store.candidates_async(conv.keys, conv.namespace)
             best = await self._pick(conv, found)
         # candidates() puts the longest match first.
-        return Found(best, found[0] if found else None)
+        longest = found[0] if found else None
+        if best is None:
+            stem = await self.stems.find(conv)
+            if stem is not None:
+                return Found((stem, 0), longest, stem=True)
+        return Found(best, longest)
 
     async def _pick(
         self, conv: Conversation, found: list[tuple[Entry, int]]

@@ -21,6 +21,9 @@ class Facts:
     restores_allowed: bool
     worth_saving: bool  # what the slot holds would be lost, and is worth a file
     held_opening: bool  # what the slot holds passes through a wanted opening with no entry
+    # The store holds the stem of the request's system message (stems.py): it shares no
+    # whole message, but the request extends it exactly.
+    stem: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class Plan:
 
 def decide(facts: Facts) -> Plan:
     move = choose(facts.resident, facts.stored, facts.restores_allowed)
+    if move is Move.START_COLD and facts.stem and facts.restores_allowed:
+        move = Move.RESTORE
     if move is Move.USE_RESIDENT:
         # A new session or a branch that parts from the slot's conversation keeps that
         # conversation, and leaves the opening they share on disk and in the slot.

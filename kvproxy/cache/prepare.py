@@ -97,6 +97,7 @@ class Preparer:
             restores_allowed=self.ctx.guard.allows(conv.namespace),
             worth_saving=self.work.worth_saving(slot, conv.keys),
             held_opening=False,
+            stem=found.stem,
         )
         if held is None or (resident == held_depth and decide(facts).move is Move.USE_RESIDENT):
             return facts  # nothing the request does not extend: no opening to leave
@@ -127,7 +128,7 @@ class Preparer:
         evaluated = await self._prefill(slot, conv, shared, verified)
         # A request that parts from the entry before its end (a near-end divergence, or any
         # prefix on a dense model) reuses an unknown part of it: not judged.
-        expected = outcome.n_restored if shared >= len(entry.chain) else None
+        expected = outcome.n_restored if shared >= len(entry.chain) or found.stem else None
         return Prepared(
             Decision.RESTORED,
             outcome.n_restored,
@@ -146,8 +147,21 @@ class Preparer:
         return Prepared(Decision.RESIDENT, expected_n=expected)
 
     async def _start_cold(self, slot: Slot, conv: Conversation, verified: bool) -> Prepared:
-        evaluated = await self._prefill(slot, conv, 0, verified)
+        evaluated = 0
+        stem = await self.openings.stems.wanted(conv)
+        if stem is not None:
+            # The head of its system message before what changes between sessions, first.
+            if not verified:
+                await self.work.verify(slot)
+                verified = True
+            evaluated = await self.openings.stems.make(slot, conv, *stem)
+        evaluated += await self._prefill(slot, conv, 0, verified)
         return Prepared(Decision.MISS, evaluated=evaluated) if evaluated else MISS
+
+    def parted(self, conv: Conversation, message_index: int, char_offset: int) -> None:
+        """A miss parted from the closest known conversation there (explain.py): inside a
+        long system message, what follows changes between sessions (a stem ends before it)."""
+        self.openings.stems.cuts.learn(conv.namespace, conv.messages, message_index, char_offset)
 
     async def _prefill(self, slot: Slot, conv: Conversation, start: int, verified: bool) -> int:
         """Pass through a wanted opening deeper than `start` first: the tokens evaluated."""

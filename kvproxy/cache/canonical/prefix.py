@@ -142,7 +142,7 @@ async def renders(
     variants = echo_variants(reply, style)
     probes = [[*history, variants[0], nxt] for nxt in NEXT_MESSAGES]
     probes += [[*history, echo, NEXT_MESSAGES[0]] for echo in variants[1:]]
-    prompts = await asyncio.gather(*(_render(client, fields, m) for m in probes))
+    prompts = await asyncio.gather(*(render(client, fields, m) for m in probes))
     unique = list(dict.fromkeys(p for p in prompts if p is not None))
     if len(unique) < 2:
         # One rendering (or none) tells nothing about where the next message starts.
@@ -150,9 +150,7 @@ async def renders(
     return unique
 
 
-async def _render(
-    client: LlamaClient, fields: Mapping[str, Any], messages: list[Any]
-) -> str | None:
+async def render(client: LlamaClient, fields: Mapping[str, Any], messages: list[Any]) -> str | None:
     try:
         return await client.apply_template({**fields, "messages": messages})
     except UpstreamError:
