@@ -50,8 +50,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.turns: list[Turn] = []
+        self.statuses: list[int] = []
 
     def on_request(self, event: RequestEvent) -> None:
+        self.statuses.append(event.status)
         if event.cache_n is not None and event.prompt_n is not None:
             self.turns.append(Turn(str(event.decision), event.cache_n, event.prompt_n))
 
@@ -304,3 +306,63 @@ class ResponsesTap:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+async def test_a_claude_code_turn_interrupted_mid_reply_leaves_its_state(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """`claude -p --continue` stopped with Ctrl-C while its reply streams (a user pressing
+    Esc or Ctrl-C): the next turn is served from the interrupted prompt kept in the slot."""
+    server, proxy, recorder = stack
+    claude = await asyncio.to_thread(install, CLAUDE_CODE)
+    home = tmp_path / "claude-home"
+    home.mkdir()
+    settings = {
+        "ANTHROPIC_BASE_URL": proxy.url,
+        "ANTHROPIC_API_KEY": "kvproxy-test",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+    env = client_env(home, **settings, CLAUDE_CODE_MAX_OUTPUT_TOKENS=MAX_OUTPUT)
+    await asyncio.to_thread(run, [str(claude), "-p", "Say hi."], env, home)
+    await settled(proxy)
+    recorder.take()
+    # A long reply this time (the request's cap overrides the server's -n), stopped midway.
+    long_env = client_env(home, **settings, CLAUDE_CODE_MAX_OUTPUT_TOKENS="4000")
+    proc = await asyncio.create_subprocess_exec(
+        str(claude),
+        *("-p", "--continue", "Write a long story about shelves."),
+        env=long_env,
+        cwd=home,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(1200):  # until the reply streams: the slot is busy generating
+            slots = await proxy.app[SERVICE].cache.backend.client.slots()
+            if any(s.is_processing for s in slots) and recorder.turns == []:
+                await asyncio.sleep(2.0)  # well into the reply
+                break
+            await asyncio.sleep(0.1)
+        proc.send_signal(2)  # SIGINT: Ctrl-C
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    await settled(proxy)
+    recorder.take()
+    assert 499 in recorder.statuses, "the turn was cut off mid-reply (a client gone: 499)"
+    later = await asyncio.to_thread(
+        run, [str(claude), "-p", "--continue", "Now say bye."], env, home
+    )
+    turn3 = recorder.take()
+    table("Claude Code", [("3 (after an interrupted turn)", turn3)])
+    assert turn3, later.stdout + later.stderr
+    assert turn3[0].decision in ("resident", "restored"), turn3
+    assert turn3[0].cached >= 0.95, turn3
