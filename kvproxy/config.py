@@ -84,6 +84,14 @@ class Settings(BaseSettings):
     idle_save_after: Duration = Field(
         30.0, description="save a slot's conversation after it has been idle this long"
     )
+    server_sleep_after: Duration | None = Field(
+        None,
+        description=(
+            "llama-server's --sleep-idle-seconds (sidecar mode; managed mode reads it from the "
+            "server's flags): unsaved slots are saved within half of it, before the server "
+            "unloads the model and its KV cache"
+        ),
+    )
     live_window: Duration = Field(
         600.0,
         description="a conversation seen this recently is live; with more live conversations "
@@ -203,3 +211,10 @@ class Settings(BaseSettings):
     @property
     def api_key(self) -> str | None:
         return self.upstream_api_key.get_secret_value() if self.upstream_api_key else None
+
+    @property
+    def effective_idle_save_after(self) -> float:
+        """The idle save comes before a sleeping server would drop the slot's state."""
+        if self.server_sleep_after is None or self.server_sleep_after <= 0:
+            return self.idle_save_after
+        return min(self.idle_save_after, self.server_sleep_after / 2)

@@ -79,3 +79,36 @@ async def test_an_idle_save_does_not_wake_a_sleeping_server(
             assert all(s.holding is None for s in proxy.cache.pool.slots)
         finally:
             await proxy.stop()
+
+
+@pytest.mark.usefixtures("quick_housekeeping")
+async def test_slots_are_saved_before_the_server_sleeps(tmp_path: Path) -> None:
+    """Told the server's --sleep-idle-seconds, kvproxy saves an idle slot within half of it
+    (the idle save is otherwise 30 s away): the turn after the server slept and woke empty is
+    restored from disk, not prefilled again."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    async with FakeLlamaServer(slot_save_path=cache, sleep_idle_seconds=1.0) as fake:
+        proxy = await start_proxy(fake.url, cache, server_sleep_after=1.0, idle_save_after=3600)
+        try:
+            _, r1, _ = await chat(proxy, conv(1))
+            await settle(proxy)
+            await wait_until(lambda: fake.is_sleeping)
+            assert proxy.cache.store.entries, "saved before the server slept"
+            status, r2, h2 = await chat(proxy, then(conv(1), r1))
+            assert status == 200 and fake.wakes == 1
+            assert h2["X-KVProxy-Cache"] == "restored"
+            assert r2["timings"]["cache_n"] > 0.9 * (
+                r2["timings"]["cache_n"] + r2["timings"]["prompt_n"]
+            )
+        finally:
+            await proxy.stop()
+
+
+def test_managed_mode_reads_the_servers_sleep_timeout() -> None:
+    from kvproxy.cli import sleep_idle_seconds
+
+    assert sleep_idle_seconds(["-t", "2", "--sleep-idle-seconds", "300"]) == 300.0
+    assert sleep_idle_seconds(["--sleep-idle-seconds=60"]) == 60.0
+    assert sleep_idle_seconds(["--sleep-idle-seconds", "-1"]) is None
+    assert sleep_idle_seconds(["-t", "2"]) is None

@@ -67,7 +67,7 @@ class ConversationCache:
             self.work,
             self.background,
             settings.live_window,
-            settings.idle_save_after,
+            settings.effective_idle_save_after,
         )
         self.unkeyed = Unkeyed(ctx, self.work)
         self.openings = Openings(ctx, self.work)

@@ -135,6 +135,9 @@ async def serve(settings: Settings) -> int:
         model = await asyncio.to_thread(resolve_model, settings.model)
         info = await asyncio.to_thread(read_model_info, model)
         extra = list(settings.server_args)
+        slept = sleep_idle_seconds(extra)
+        if slept is not None and settings.server_sleep_after is None:
+            settings.server_sleep_after = slept  # saved before the server unloads its slots
         if info.has_swa and "--swa-full" not in extra:
             # Without a full-size SWA cache the server never reuses a restored state. It costs
             # KV memory: every layer keeps the whole context instead of the window.
@@ -233,6 +236,22 @@ async def serve(settings: Settings) -> int:
         await server.stop()
         await asyncio.to_thread(leftover.forget, settings.cache_dir)
     return exit_code
+
+
+def sleep_idle_seconds(server_args: Sequence[str]) -> float | None:
+    """The `--sleep-idle-seconds N` among llama-server's flags (None: it never sleeps)."""
+    for i, arg in enumerate(server_args):
+        value = None
+        if arg == "--sleep-idle-seconds" and i + 1 < len(server_args):
+            value = server_args[i + 1]
+        elif arg.startswith("--sleep-idle-seconds="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                return float(value) if float(value) > 0 else None
+            except ValueError:
+                return None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
