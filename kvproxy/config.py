@@ -131,6 +131,14 @@ class Settings(BaseSettings):
         default_factory=list,
         description="extra Host header names accepted when bound to loopback (comma-separated)",
     )
+    allow_model_management: bool = Field(
+        False,
+        description=(
+            "let clients reach a router-mode llama-server's /models/load, /models/unload, "
+            "POST and DELETE /models (refused by default: they load, unload, download or "
+            "delete models); every slot is held for them, unsaved slots saved first"
+        ),
+    )
     allow_route: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="forward PATH although kvproxy's route table (docs/routes.md) does not "

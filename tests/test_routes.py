@@ -17,7 +17,8 @@ from kvproxy.edge import routes
 from kvproxy.edge.routes import ROUTES, RouteTable, Treatment
 from kvproxy.server.managed import free_port
 
-from .conftest import RunningProxy, start_proxy, start_real_server
+from .conftest import Maker, RunningProxy, start_proxy, start_real_server
+from .test_cache import chat, conv, settle
 from .test_proxy import EchoUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,3 +216,35 @@ async def test_a_predict_route_only_the_sidecar_server_knows_is_closed(
             await proxy.stop()
     finally:
         await asyncio.to_thread(server.stop)
+
+
+async def test_model_management_is_refused_unless_the_operator_allows_it(make: Maker) -> None:
+    """A client cannot make a router-mode server download (`POST /models`), delete
+    (`DELETE /models`), load or unload a model through kvproxy; with
+    --allow-model-management it can, and what the slots held is saved first."""
+    fake, proxy = await make()
+    async with aiohttp.ClientSession() as s:
+        for method, path in MANAGEMENT:
+            async with s.request(method, proxy.url + path, json={"model": "x"}) as r:
+                assert r.status == 403, (method, path)
+    assert not [p for _, p, _ in fake.requests if p.startswith("/models")]
+
+    fake, proxy = await make(allow_model_management=True)
+    _, r1, _ = await chat(proxy, conv(1))  # an unsaved conversation in a slot
+    await settle(proxy)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + "/models/unload", json={"model": "x"}) as r:
+            assert r.status == 404  # the fake has no router: its own answer, passed on
+    sent = [p for _, p, _ in fake.requests]
+    assert "/models/unload" in sent
+    saved_at = max(i for i, p in enumerate(sent) if p.endswith("action=save"))
+    assert saved_at < sent.index("/models/unload"), "saved before the model could go"
+    assert proxy.cache.store.entries
+
+
+MANAGEMENT = [
+    ("POST", "/models"),
+    ("DELETE", "/models"),
+    ("POST", "/models/load"),
+    ("POST", "/models/unload"),
+]

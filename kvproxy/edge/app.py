@@ -40,6 +40,7 @@ MESSAGES_PATHS = frozenset({"/v1/messages"})
 PINNABLE_PATHS = routes.paths(Treatment.PINNED)
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
 UNPINNABLE_PATHS = frozenset({"/v1/messages", *routes.paths(Treatment.EVERY_SLOT)})
+MANAGEMENT_PATHS = frozenset(r.path for r in routes.MODEL_MANAGEMENT)
 
 
 class Service:
@@ -48,7 +49,9 @@ class Service:
     def __init__(self, settings: Settings, upstream_url: str) -> None:
         self.settings = settings
         # kvproxy's environment is the managed server's, and usually the sidecar's too.
-        self.routes = RouteTable(settings.allow_route, predict_routes(os.environ))
+        self.routes = RouteTable(
+            settings.allow_route, predict_routes(os.environ), settings.allow_model_management
+        )
         for path in self.routes.refused_allowances():
             log.warning("--allow-route %s names a route kvproxy refuses; it stays refused", path)
         self.upstream = Upstream(upstream_url, settings.api_key)
@@ -219,6 +222,11 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             return await cache.unkeyed.handle_pinned(request, _path_qs(path, request))
         if path in UNPINNABLE_PATHS:
             return await cache.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
+    if path in MANAGEMENT_PATHS and decision.treatment is Treatment.EVERY_SLOT:
+        # Allowed (--allow-model-management): a model the router unloads takes its slots'
+        # state with it, so every slot is held and what would be lost is saved first.
+        body = await request.read()
+        return await service.cache.unkeyed.hold_all(request, _path_qs(path, request), body)
     return await forward(request, service, _path_qs(path, request))
 
 

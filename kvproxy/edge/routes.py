@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from kvproxy.cache.backend import SLOT_PICKING_ROUTES
@@ -87,6 +87,13 @@ def _each(
     return tuple(Route(p, methods, treatment, note.replace("{path}", p)) for p in paths)
 
 
+# The router's model management: refused unless the operator allows it
+# (--allow-model-management), and then every slot is held (what would be lost saved first).
+MODEL_MANAGEMENT = (
+    *_each(("/models/load", "/models/unload"), ANY, Treatment.REFUSED, _MODELS),
+    *_each(("/models",), frozenset({"POST", "DELETE"}), Treatment.REFUSED, _MODELS),
+)
+
 ROUTES: tuple[Route, ...] = (
     # --- conversations the cache keys (the wire format read by wire/)
     *_each(("/v1/chat/completions", "/chat/completions"), POST, Treatment.KEYED, "OpenAI chat"),
@@ -124,8 +131,7 @@ ROUTES: tuple[Route, ...] = (
     # --- refused (403), whatever --allow-route says
     Route("/slots/*", ANY, Treatment.REFUSED, _SLOTS),
     *_each(("/props", "/lora-adapters"), POST, Treatment.REFUSED, _SETTINGS),
-    *_each(("/models/load", "/models/unload"), ANY, Treatment.REFUSED, _MODELS),
-    *_each(("/models",), frozenset({"POST", "DELETE"}), Treatment.REFUSED, _MODELS),
+    *MODEL_MANAGEMENT,
     Route(
         "/v1/chat/completions/control",
         ANY,
@@ -169,12 +175,19 @@ class RouteTable:
     """ROUTES for one proxy: its predict routes and the operator's --allow-route paths."""
 
     def __init__(
-        self, allowed: Iterable[str] = (), predict: frozenset[str] = frozenset({"/predict"})
+        self,
+        allowed: Iterable[str] = (),
+        predict: frozenset[str] = frozenset({"/predict"}),
+        model_management: bool = False,
     ) -> None:
         self.predict = predict
         self.allowed = tuple(Route(p, ANY, Treatment.PASS, "--allow-route") for p in allowed)
-        self.refusals = tuple(r for r in ROUTES if r.treatment is Treatment.REFUSED)
-        self.served = tuple(r for r in ROUTES if r.treatment is not Treatment.REFUSED)
+        routes = ROUTES
+        if model_management:
+            managed = [replace(r, treatment=Treatment.EVERY_SLOT) for r in MODEL_MANAGEMENT]
+            routes = (*managed, *(r for r in ROUTES if r not in MODEL_MANAGEMENT))
+        self.refusals = tuple(r for r in routes if r.treatment is Treatment.REFUSED)
+        self.served = tuple(r for r in routes if r.treatment is not Treatment.REFUSED)
 
     def refused_allowances(self) -> list[str]:
         """--allow-route paths that name a refused route (they stay refused)."""
