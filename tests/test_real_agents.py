@@ -308,6 +308,7 @@ class ResponsesTap:
             await self._runner.cleanup()
 
 
+@pytest.mark.timeout(900)
 async def test_a_claude_code_turn_interrupted_mid_reply_leaves_its_state(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -366,3 +367,77 @@ async def test_a_claude_code_turn_interrupted_mid_reply_leaves_its_state(
     assert turn3, later.stdout + later.stderr
     assert turn3[0].decision in ("resident", "restored"), turn3
     assert turn3[0].cached >= 0.95, turn3
+
+
+@pytest.mark.timeout(1200)  # six agent turns and six others, on a 2-core machine
+async def test_two_agents_at_once_come_back_while_a_third_conversation_churns_the_slots(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Claude Code and Codex sessions interleaved on a 2-slot server, a plain conversation
+    between every turn (three conversations, two slots: each agent's state leaves its slot
+    and comes back): every later turn of each agent comes back from cache."""
+    server, proxy, recorder = stack
+    claude = await asyncio.to_thread(install, CLAUDE_CODE)
+    codex = await asyncio.to_thread(install, CODEX)
+    claude_home, codex_home = tmp_path / "claude-home", tmp_path / "codex-home"
+    claude_home.mkdir()
+    codex_home.mkdir()
+    codex_config(codex_home, proxy.url)
+    claude_env = client_env(
+        claude_home,
+        ANTHROPIC_BASE_URL=proxy.url,
+        ANTHROPIC_API_KEY="kvproxy-test",
+        DISABLE_TELEMETRY="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=MAX_OUTPUT,
+    )
+    codex_env = client_env(codex_home)
+    plain = first_turn(7, n_facts=30)
+
+    async def churn() -> None:
+        nonlocal plain
+        body = {"messages": plain, "max_tokens": 4, "temperature": 0}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(proxy.url + "/v1/chat/completions", json=body) as r:
+                reply = await r.json()
+        plain = [
+            *plain,
+            {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"And fact {len(plain)}?"},
+        ]
+        await settled(proxy)
+        recorder.take()
+
+    rows: list[tuple[str, list[Turn]]] = []
+    turns = [
+        ("Claude Code 1", claude, ["-p", "Say hi."], claude_env, claude_home),
+        ("Codex 1", codex, ["exec", "--skip-git-repo-check", "Say hi."], codex_env, codex_home),
+        ("Claude Code 2", claude, ["-p", "--continue", "Now bye."], claude_env, claude_home),
+        (
+            "Codex 2",
+            codex,
+            ["exec", "--skip-git-repo-check", "resume", "--last", "Bye."],
+            codex_env,
+            codex_home,
+        ),
+        ("Claude Code 3", claude, ["-p", "--continue", "One word?"], claude_env, claude_home),
+        (
+            "Codex 3",
+            codex,
+            ["exec", "--skip-git-repo-check", "resume", "--last", "Why?"],
+            codex_env,
+            codex_home,
+        ),
+    ]
+    for name, exe, args, env, home in turns:
+        await asyncio.to_thread(run, [str(exe), *args], env, home)
+        await settled(proxy)
+        rows.append((name, recorder.take()))
+        await churn()
+    table("two agents", rows)
+    for name, seen in rows:
+        if name.endswith(" 1"):
+            continue
+        assert seen, name
+        assert seen[0].decision in ("resident", "restored"), (name, seen)
+        assert all(t.cached >= 0.95 for t in seen), (name, seen)
