@@ -120,7 +120,9 @@ def _tool_calls(value: Any) -> Any:
     return out
 
 
-def canonical_message(message: Any) -> bytes:
+def message_bytes(message: Any) -> bytes:
+    """A message as its key hashes it: role, content, tool calls, each normalised as the
+    template renders them alike (cache_control and surrounding whitespace left out)."""
     if not isinstance(message, Mapping):
         raise UnkeyableRequest("message is not an object")
     role = message.get("role")
@@ -143,14 +145,14 @@ def chain(ns: str, messages: Sequence[Any]) -> list[str]:
     keys: list[str] = []
     prev = ns.encode()
     for message in messages:
-        key = _hash(prev, b"\0", canonical_message(message))
+        key = _hash(prev, b"\0", message_bytes(message))
         keys.append(key)
         prev = key.encode()
     return keys
 
 
 def extend(prev_key: str, message: Mapping[str, Any]) -> str:
-    return _hash(prev_key.encode(), b"\0", canonical_message(message))
+    return _hash(prev_key.encode(), b"\0", message_bytes(message))
 
 
 def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str | None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeAlias
 
 from kvproxy.cache.canonical import prefix as canonical
+from kvproxy.cache.habits.echo import observe_echo
 from kvproxy.http.session import UpstreamError
 
 from .conftest import Maker, start_proxy
@@ -212,8 +213,8 @@ async def test_a_verbatim_client_gets_the_whole_reply_once_seen(make: Maker) -> 
 
 def test_observe_echo() -> None:
     ours = {"role": "assistant", "content": "\nHi there. "}
-    assert canonical.observe_echo(ours, {"content": "\nHi there. "}) == "verbatim"
-    assert canonical.observe_echo(ours, {"content": "Hi there."}) == "strip"
-    assert canonical.observe_echo(ours, {"content": "\nHi there."}) == "rstrip"
-    assert canonical.observe_echo(ours, {"content": "Something else"}) is None
-    assert canonical.observe_echo({"content": "Hi"}, {"content": "Hi"}) is None  # tells nothing
+    assert observe_echo(ours, {"content": "\nHi there. "}) == "verbatim"
+    assert observe_echo(ours, {"content": "Hi there."}) == "strip"
+    assert observe_echo(ours, {"content": "\nHi there."}) == "rstrip"
+    assert observe_echo(ours, {"content": "Something else"}) is None
+    assert observe_echo({"content": "Hi"}, {"content": "Hi"}) is None  # tells nothing

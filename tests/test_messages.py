@@ -172,7 +172,7 @@ def test_the_reply_is_keyed_as_the_client_echoes_it() -> None:
             {"type": "tool_use", "id": "c1", "name": "ls", "input": {"p": "."}},
         ],
     }
-    assert keys.canonical_message(echoed) == keys.canonical_message(
+    assert keys.message_bytes(echoed) == keys.message_bytes(
         to_chat({"messages": [client_echo]})["messages"][0]
     )
 

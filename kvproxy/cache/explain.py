@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from kvproxy.cache.events import MissExplanation
-from kvproxy.keys import UnkeyableRequest, canonical_message
+from kvproxy.keys import UnkeyableRequest, message_bytes
 from kvproxy.server.modelinfo import ModelInfo
 from kvproxy.store import Store
 
@@ -70,7 +70,7 @@ def _divergence(ours: list[Any], theirs: list[Any]) -> tuple[int, int, str, str]
     for index, (mine, other) in enumerate(zip(ours, theirs, strict=False)):
         # Equal as keys see them (whitespace at the ends, null vs "", argument spacing…):
         # such differences never cause a miss, so they are not the explanation.
-        if canonical_message(mine) == canonical_message(other):
+        if message_bytes(mine) == message_bytes(other):
             continue
         mine_text, other_text = _texts(mine, other)
         return index, _first_difference(mine_text, other_text), mine_text, other_text
@@ -100,7 +100,7 @@ def _content_text(content: Any) -> str:
 
 
 def _render(message: Mapping[str, Any]) -> str:
-    return canonical_message(message).decode()
+    return message_bytes(message).decode()
 
 
 def _first_difference(a: str, b: str) -> int:

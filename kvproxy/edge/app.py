@@ -16,7 +16,7 @@ from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge import routes
-from kvproxy.edge.routes import RouteTable, Treatment, canonical_path, predict_routes
+from kvproxy.edge.routes import RouteTable, Treatment, normal_path, predict_routes
 from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
@@ -138,7 +138,7 @@ def client_refusal(request: web.Request, settings: Settings) -> web.Response | N
     kvproxy sends llama-server its own key, so the server cannot tell clients apart any more."""
     if not settings.client_api_keys or request.method == "OPTIONS":
         return None
-    if canonical_path(request.path) in KEYLESS_PATHS:
+    if normal_path(request.path) in KEYLESS_PATHS:
         return None
     given = client_key(request.headers)
     ok = False
@@ -174,7 +174,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     refusal = host_refusal(request, service.settings)
     if refusal is not None:
         return error_response(403, refusal, "host_not_allowed")
-    path = canonical_path(request.path)
+    path = normal_path(request.path)
     if not (path.startswith("/kvproxy/") or path == "/metrics"):
         refused = client_refusal(request, service.settings)
         if refused is not None:

@@ -149,7 +149,7 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-def canonical_path(raw: str) -> str:
+def normal_path(raw: str) -> str:
     """Collapse `//`, `.` and `..` so `/v1/../slots` is seen as `/slots`."""
     norm = posixpath.normpath("/" + raw.lstrip("/"))
     return "/" if norm == "//" else norm
@@ -160,9 +160,7 @@ def predict_routes(environ: Mapping[str, str]) -> frozenset[str]:
     (server-http.cpp `register_gcp_compat`): `/predict`, or `AIP_PREDICT_ROUTE` as the server
     reads it (a leading `/` added). Both are refused, whatever the mode."""
     custom = environ.get("AIP_PREDICT_ROUTE") or "/predict"
-    return frozenset(
-        {"/predict", canonical_path(custom if custom.startswith("/") else "/" + custom)}
-    )
+    return frozenset({"/predict", normal_path(custom if custom.startswith("/") else "/" + custom)})
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ NEXT_MESSAGES = (
 
 # How a client sends replies back, as far as kvproxy has seen (EchoStyle per namespace).
 VERBATIM, STRIPPED, RSTRIPPED = "verbatim", "strip", "rstrip"
-_TRIMS = {VERBATIM: None, STRIPPED: str.strip, RSTRIPPED: str.rstrip}
+TRIMS = {VERBATIM: None, STRIPPED: str.strip, RSTRIPPED: str.rstrip}
 
 
 def echo_variants(reply: Mapping[str, Any], style: str | None = None) -> list[dict[str, Any]]:
@@ -46,7 +46,7 @@ def echo_variants(reply: Mapping[str, Any], style: str | None = None) -> list[di
     without spaces. With `style` unknown: as generated and with surrounding whitespace
     trimmed (the prefix then stops where they differ); with `style` seen: that form only.
     Where the template renders these alike, they cost nothing."""
-    trims = [_TRIMS[style]] if style in _TRIMS else [None, str.strip]
+    trims = [TRIMS[style]] if style in TRIMS else [None, str.strip]
     variants: list[dict[str, Any]] = []
     for trim in trims:
         for separators in (None, (", ", ": "), (",", ":")):
@@ -60,21 +60,6 @@ def echo_variants(reply: Mapping[str, Any], style: str | None = None) -> list[di
             if other not in variants:
                 variants.append(other)
     return variants
-
-
-def observe_echo(ours: Mapping[str, Any], theirs: Any) -> str | None:
-    """How the client echoed the reply kvproxy captured, when that tells anything."""
-    mine = ours.get("content")
-    got = theirs.get("content") if isinstance(theirs, Mapping) else None
-    if not isinstance(mine, str) or not isinstance(got, str) or mine == mine.strip():
-        return None  # no surrounding whitespace: every style looks the same
-    if got == mine:
-        return VERBATIM
-    if got == mine.strip():
-        return STRIPPED
-    if got == mine.rstrip():
-        return RSTRIPPED
-    return None
 
 
 def _reserialised(arguments: str, separators: tuple[str, str]) -> str:
@@ -157,42 +142,3 @@ async def render(client: LlamaClient, fields: Mapping[str, Any], messages: list[
         # A template may refuse one of the probe shapes (say, a tool reply where it expects
         # none); the other probes still bound the prefix.
         return None
-
-
-class EchoStyles:
-    """How each namespace's client echoes replies, learnt from its next turn (observe_echo):
-    once known, the canonical prefix renders that style only and takes in the whole reply."""
-
-    def __init__(self) -> None:
-        self._styles: dict[str, str] = {}
-        self.changes = 0  # how many times a style was learnt or changed
-
-    def get(self, namespace: str) -> str | None:
-        return self._styles.get(namespace)
-
-    def forget(self, namespace: str) -> None:
-        self._styles.pop(namespace, None)
-
-    def to_json(self) -> dict[str, str]:
-        return dict(self._styles)
-
-    def load(self, data: Any) -> None:
-        """Styles written by `to_json` (anything else is skipped)."""
-        if isinstance(data, Mapping):
-            self._styles.update(
-                (ns, style) for ns, style in data.items() if isinstance(ns, str) and style in _TRIMS
-            )
-
-    def known(self, namespace: str) -> bool:
-        return namespace in self._styles
-
-    def learn(self, namespace: str, ours: Sequence[Any], theirs: Sequence[Any]) -> None:
-        """`ours`: the conversation as kvproxy recorded it (the reply last); `theirs`: the
-        request that continues it, whose message at the reply's index is the echo."""
-        n = len(ours)
-        if n == 0 or len(theirs) < n:
-            return
-        style = observe_echo(ours[-1], theirs[n - 1])
-        if style is not None and self._styles.get(namespace) != style:
-            self._styles[namespace] = style
-            self.changes += 1

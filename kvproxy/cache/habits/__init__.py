@@ -1,5 +1,5 @@
 """What each namespace's client does to a conversation between turns: how it echoes the
-reply (canonical.EchoStyles) and what it rewrites before it (rewrites.Rewrites). Learnt from
+reply (echo.EchoStyles) and what it rewrites before it (rewrites.Rewrites). Learnt from
 the request that continues a conversation kvproxy recorded, applied when a slot is saved, so
 the saved state is the prefix the client's next request really starts with.
 
@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from kvproxy.cache.bounds import UNKNOWN_TENANT, NamespaceLRU
-from kvproxy.cache.canonical.prefix import EchoStyles
+from kvproxy.cache.habits.echo import EchoStyles
 from kvproxy.cache.habits.rewrites import Rewrites, rewrite
 
 # Agents rewrite the messages of their last turn (a reminder, a per-turn context message):

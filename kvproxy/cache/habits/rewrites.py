@@ -1,6 +1,6 @@
 """What clients change in earlier messages on their next turn, learnt per namespace.
 
-Besides echoing the reply (canonical.EchoStyles), real agents rewrite what they sent:
+Besides echoing the reply (echo.EchoStyles), real agents rewrite what they sent:
 
 - DROP: a message is gone from the next request. OpenClaw ends each turn with a user message
   `<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>…`; the next turn drops it and appends a fresh one
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from kvproxy.keys import UnkeyableRequest, canonical_message, shared_prefix
+from kvproxy.keys import UnkeyableRequest, message_bytes, shared_prefix
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -80,7 +80,7 @@ def _text(message: Any) -> str | None:
 
 def _same(a: Any, b: Any) -> bool:
     try:
-        return canonical_message(a) == canonical_message(b)
+        return message_bytes(a) == message_bytes(b)
     except UnkeyableRequest:
         return False
 
