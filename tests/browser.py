@@ -56,7 +56,7 @@ async def dump_dom(url: str) -> str:
     return await _run(url, "--dump-dom")
 
 
-async def screenshot(url: str, path: Path, size: str = "1200,1500") -> None:
+async def screenshot(url: str, path: Path, size: str = "1100,1000") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     await _run(url, f"--screenshot={path}", f"--window-size={size}")
     assert path.exists() and path.stat().st_size > 1000, f"no screenshot at {path}"
