@@ -161,3 +161,10 @@ def visible_text(dom: str) -> str:
     """The rendered body's text, without the page's own script."""
     body = dom.split("<script>")[0]
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", body))
+
+
+def test_the_readme_shows_the_status_page() -> None:
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert "](docs/img/status.png)" in readme and (root / "docs/img/status.png").stat().st_size
+    assert len(readme.splitlines()) < 250
