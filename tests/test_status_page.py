@@ -5,6 +5,7 @@ here; tests/test_real_status_page.py has a real one)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,29 @@ def test_the_readme_shows_the_status_page() -> None:
     readme = (root / "README.md").read_text()
     assert "](docs/img/status.png)" in readme and (root / "docs/img/status.png").stat().st_size
     assert len(readme.splitlines()) < 250
+
+
+async def test_a_save_and_a_restore_under_way_are_shown(make: Maker) -> None:
+    fake, proxy = await make()
+    replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2)}
+    await settle(proxy)
+    fake.action_delay = 0.4  # every slot save and restore now takes a while
+    seen: set[str] = set()
+
+    async def watch() -> None:
+        while True:
+            body = await status_json(proxy)
+            seen.update(s["action"] for s in body["slots"] if s["action"])
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await chat(proxy, conv(3))  # a third conversation: one of the two is saved first
+        await settle(proxy)
+        _, _, h = await chat(proxy, then(conv(1), replies[1]))
+    finally:
+        watcher.cancel()
+    assert h["X-KVProxy-Cache"] == "restored"
+    assert seen == {"saving", "restoring"}
+    await settle(proxy)
+    assert all(s["action"] is None for s in (await status_json(proxy))["slots"])
