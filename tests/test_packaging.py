@@ -125,6 +125,7 @@ def test_the_sdist_holds_the_runtime_and_the_build_files(sdist: list[str]) -> No
     assert {"pyproject.toml", "README.md"} <= set(sdist)
     missing = sorted(set(runtime_modules()) - set(sdist))
     assert missing == [], f"modules left out of the sdist: {missing}"
+    assert "kvproxy/edge/status.html" in sdist  # package data: a wheel built from it has it
     stray = [n for n in sdist if n.startswith(("kvproxy_bench/", "kvproxy_fake/"))]
     assert stray == [], stray
 
