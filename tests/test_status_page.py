@@ -88,7 +88,9 @@ async def test_the_page_is_one_self_contained_file(make: Maker) -> None:
     assert status == 302 and headers["Location"] == "/kvproxy/"
     status, html, headers = await get(proxy.url + "/kvproxy/")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
-    assert "default-src 'none'" in headers["Content-Security-Policy"]
+    policy = headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "unsafe-inline" not in policy
+    assert policy.count("'sha256-") == 2  # the page's one script and one style, by hash
     # Nothing from elsewhere: no external script, style, image or font; works offline.
     assert not re.search(r"""(src|href)\s*=|@import|url\(|//[a-z]""", html, re.I)
     # Client text (keys, routes, miss excerpts) is only ever written as text.

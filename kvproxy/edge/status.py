@@ -4,23 +4,14 @@ polls `GET /kvproxy/status.json` every 2 s. Same access rule as `/kvproxy/stats`
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
+import re
 from importlib import resources
 from typing import NoReturn
 
 from aiohttp import web
-
-# The page builds its DOM with textContent only; no other origin, frame or plugin.
-HEADERS = {
-    "Content-Type": "text/html; charset=utf-8",
-    "Content-Security-Policy": (
-        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
 
 
 @functools.cache
@@ -28,8 +19,34 @@ def page() -> bytes:
     return resources.files("kvproxy.edge").joinpath("status.html").read_bytes()
 
 
+def _hashes(tag: str, html: bytes) -> str:
+    blocks = re.findall(rb"<%s>(.*?)</%s>" % (tag.encode(), tag.encode()), html, re.S)
+    return " ".join(
+        f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'" for b in blocks
+    )
+
+
+@functools.cache
+def headers() -> dict[str, str]:
+    """Only the page's own script and style run (by hash); it fetches only from kvproxy,
+    and no other page may frame it. It writes client text (keys, miss excerpts) as text."""
+    html = page()
+    policy = (
+        f"default-src 'none'; script-src {_hashes('script', html)}; "
+        f"style-src {_hashes('style', html)}; connect-src 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    )
+    return {
+        "Content-Type": "text/html; charset=utf-8",
+        "Content-Security-Policy": policy,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-store",
+    }
+
+
 def page_response() -> web.Response:
-    return web.Response(body=page(), headers=HEADERS)
+    return web.Response(body=page(), headers=headers())
 
 
 def to_page() -> NoReturn:
