@@ -4,13 +4,17 @@ meanwhile), and nothing of the kind when stderr is a log (a pipe)."""
 
 from __future__ import annotations
 
+import io
 import os
 import pty
 import select
 import time
 from pathlib import Path
 
-from kvproxy.server.managed import free_port
+import pytest
+
+from kvproxy.cli.display import Ticker
+from kvproxy.server.managed import ManagedServer, ServerError, free_port
 
 from .standin_server import SLOW_START, standin_binary
 from .test_startup import serve
@@ -66,3 +70,15 @@ def test_a_log_gets_no_progress_line(tmp_path: Path, tiny_models: dict[str, Path
     text = out.decode()
     assert "loading the model…" not in text and "\r" not in text
     assert "llama-server| llama_model_loader: loaded meta data" in text  # relayed as before
+
+
+async def test_a_start_that_times_out_shows_the_servers_last_lines(tmp_path: Path) -> None:
+    """Its lines were held back from the terminal: the error brings them."""
+    binary, _ = standin_binary(tmp_path, SLOW_START)
+    port = free_port()
+    server = ManagedServer([str(binary), "--port", str(port)], port)
+    with pytest.raises(ServerError) as raised:
+        await server.start(timeout=1, waiting=Ticker("loading", io.StringIO()))
+    message = str(raised.value)
+    assert "not healthy after 1s" in message
+    assert "llama-server| llama_model_loader: loaded meta data" in message

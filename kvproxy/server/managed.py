@@ -247,7 +247,9 @@ class ManagedServer:
                             return None
                 if time.monotonic() > deadline:
                     await self.stop()
-                    raise ServerError(f"llama-server not healthy after {timeout:g}s")
+                    tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
+                    lines = f"; its last lines:\n{tail}" if tail else ""
+                    raise ServerError(f"llama-server not healthy after {timeout:g}s{lines}")
                 if waiting is not None:
                     waiting.show(time.monotonic() - began)
                 await asyncio.sleep(0.25)
