@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from kvproxy_bench.dialogues import first_turn
 
-from .browser import dump_dom, screenshot
+from .browser import screenshot
 from .conftest import RealServer, start_proxy
 from .test_real_cache import chat, next_turn
-from .test_status_page import visible_text
+from .test_status_page import dump_settled, visible_text
 
 pytestmark = pytest.mark.real
 
@@ -40,11 +40,11 @@ async def test_status_page_with_a_real_server(real_server: RealServer, tmp_path:
         assert stats["restores"] >= 1 and stats["saves"] >= 1
 
         url = proxy.url + "/kvproxy/"
-        dom = await dump_dom(url)
+        dom, slots = await dump_settled(proxy)
         text = visible_text(dom)
         assert "Cannot reach" not in text and "5 requests since start" in text
         assert "model class" in text and "not known yet" not in text
-        for slot in proxy.stats()["slots"]:
+        for slot in slots:
             assert slot["key"], "both slots hold a conversation"
             assert slot["key"][:12] in text
             assert f"{slot['n_tokens']:,}" in text

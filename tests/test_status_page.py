@@ -147,10 +147,10 @@ def test_recent_requests_are_bounded_and_the_hour_slides() -> None:
 async def test_status_page_in_headless_chromium(make: Maker, tmp_path: Path) -> None:
     fake, proxy = await make()
     await traffic(proxy)
-    dom = await dump_dom(proxy.url + "/kvproxy/")
+    dom, slots = await dump_settled(proxy)
     text = visible_text(dom)
     assert "Cannot reach" not in text and "Updated " in text
-    for slot in proxy.stats()["slots"]:
+    for slot in slots:
         if slot["key"]:
             assert slot["key"][:12] in text  # each slot's conversation, by key prefix
     for decision in ("miss", "restored", "resident"):
@@ -158,6 +158,22 @@ async def test_status_page_in_headless_chromium(make: Maker, tmp_path: Path) -> 
     assert "diverged from slot" in text  # the explained miss, with its reason
     assert "28.6 %" in text  # hit rate: 2 of 7
     await screenshot(proxy.url + "/kvproxy/", tmp_path / "status.png")
+
+
+async def dump_settled(proxy: RunningProxy) -> tuple[str, list[dict[str, Any]]]:
+    """The page's DOM and the slots it shows: dumped again if background work (a save
+    under slot pressure rewrites a slot's key and tokens) changed them meanwhile."""
+
+    def held() -> list[dict[str, Any]]:
+        return [{k: s[k] for k in ("id", "key", "n_tokens")} for s in proxy.stats()["slots"]]
+
+    for _ in range(5):
+        await settle(proxy)
+        slots = held()
+        dom = await dump_dom(proxy.url + "/kvproxy/")
+        if held() == slots:
+            return dom, slots
+    raise AssertionError("the slots never held still")
 
 
 def visible_text(dom: str) -> str:
