@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -21,6 +22,8 @@ from aiohttp import web
 REPO = Path(__file__).resolve().parent.parent
 DIES_UNLESS_NO_REPACK = "sigill-unless-no-repack"
 ALWAYS_DIES = "sigill-always"
+SLOW_START = "slow-start"  # healthy only after SLOW_START_S, as while a model loads
+SLOW_START_S = 2.5
 REPLY = "stand-in says hello"
 
 
@@ -56,6 +59,9 @@ def main(mode: str, record: str) -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         os.kill(os.getpid(), signal.SIGILL)
     port = int(argv[argv.index("--port") + 1])
+    if mode == SLOW_START:
+        print("llama_model_loader: loaded meta data", flush=True)
+        time.sleep(SLOW_START_S)
 
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -142,7 +142,7 @@ OWNED = {
     "kvproxy.cache.slots": (
         "slot",
         {"holding", "saved", "busy", "last_used", "changed_at", "snapshot", "seen_at"}
-        | {"started_at", "occupant", "saving", "claimed", "taken", "pending"},
+        | {"started_at", "occupant", "saving", "claimed", "taken", "pending", "action"},
     ),
     "kvproxy.cache.backend": (
         "backend",

@@ -105,6 +105,8 @@ def test_the_wheel_holds_the_runtime_and_nothing_else(wheel: list[str]) -> None:
         assert f"kvproxy/{package}/__init__.py" in wheel, f"kvproxy/{package} missing"
     missing = sorted(set(runtime_modules()) - set(wheel))
     assert missing == [], f"modules left out of the wheel: {missing}"
+    # Package data: the status page (/kvproxy/), read with importlib.resources.
+    assert "kvproxy/edge/status.html" in wheel
 
 
 def test_the_wheel_installs_the_command_and_its_metadata(wheel_file: Path) -> None:
@@ -123,6 +125,7 @@ def test_the_sdist_holds_the_runtime_and_the_build_files(sdist: list[str]) -> No
     assert {"pyproject.toml", "README.md"} <= set(sdist)
     missing = sorted(set(runtime_modules()) - set(sdist))
     assert missing == [], f"modules left out of the sdist: {missing}"
+    assert "kvproxy/edge/status.html" in sdist  # package data: a wheel built from it has it
     stray = [n for n in sdist if n.startswith(("kvproxy_bench/", "kvproxy_fake/"))]
     assert stray == [], stray
 

@@ -153,13 +153,15 @@ async def test_the_benchmarks_go_through_the_same_path(
     assert len(starts(record)) == 2
 
 
-def serve(tmp_path: Path, binary: Path, model: Path, port: int) -> subprocess.Popen[bytes]:
+def serve(
+    tmp_path: Path, binary: Path, model: Path, port: int, stdout: int = subprocess.PIPE
+) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPROXY_")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
     command = [sys.executable, "-m", "kvproxy.cli", "serve", "--model", str(model)]
     command += ["--server-bin", str(binary), "--port", str(port)]
     command += ["--cache-dir", str(tmp_path / "cache"), "--server-start-timeout", "60"]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT)
 
 
 def test_managed_mode_starts_a_server_that_needs_no_repack(

@@ -130,7 +130,8 @@ class SlotWork:
         temp = self.store.temp_name(holding.key)
         started = time.perf_counter()
         try:
-            saved = await self.client.save(slot.id, temp)
+            with slot.acting("saving"):
+                saved = await self.client.save(slot.id, temp)
             if saved.n_saved == 0:
                 # Wiped since we last looked (a unified KV cache clears idle slots when another
                 # starts): an empty state would be restored as the conversation's.
@@ -266,9 +267,10 @@ class SlotWork:
             # Retrieved whatever happens: a restore that fails leaves the check unawaited.
             checked.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
-                restored: Restored = await self.client.restore(
-                    slot.id, self.store.state_name(entry.key)
-                )
+                with slot.acting("restoring"):
+                    restored: Restored = await self.client.restore(
+                        slot.id, self.store.state_name(entry.key)
+                    )
                 damaged = await asyncio.shield(checked)
             except UpstreamError as exc:
                 slot.forget()  # a failed restore erases the slot on the server

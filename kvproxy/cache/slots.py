@@ -8,8 +8,9 @@ completions hanging, so the proxy owns the order of everything that touches a sl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,8 @@ class Slot:
     # Our last use ended and its GET /slots has not answered yet (see `ours_ended`): the
     # range of tokens the server should show (the prompt, up to the prompt and the reply).
     pending: tuple[int, int] | None = None
+    # "saving" or "restoring" while kvproxy's save or restore of the slot is under way.
+    action: str | None = None
 
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int:
         holding = self.holding
@@ -181,6 +184,15 @@ class Slot:
     def admit(self, tenant: str | None) -> None:
         """The server's slot may hold `tenant`'s tokens from now on (see SlotWork.admit)."""
         self.occupant = tenant
+
+    @contextlib.contextmanager
+    def acting(self, action: str) -> Iterator[None]:
+        """A save or restore of the slot is under way (the status page shows it)."""
+        self.action = action
+        try:
+            yield
+        finally:
+            self.action = None
 
     def begin_background_save(self) -> None:
         """Taken for a background save: a request may wait for it rather than evict another."""

@@ -33,7 +33,7 @@ from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
 from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.slotio import SlotWork
-from kvproxy.cache.slots import QueueFull, SlotPool
+from kvproxy.cache.slots import ANYONE, NOBODY, QueueFull, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
@@ -109,7 +109,8 @@ class ConversationCache:
 
     def state(self) -> dict[str, Any]:
         """What the cache holds now (`/kvproxy/stats` adds the counters)."""
-        entries, used, _budget = self.disk_usage()
+        entries, used, budget = self.disk_usage()
+        now = time.monotonic()
         return {
             "enabled": self.enabled,
             "disk_enabled": self.disk_enabled,
@@ -117,8 +118,9 @@ class ConversationCache:
             "model_class": self.backend.model_class,
             "entries": entries,
             "disk_bytes": used,
+            "disk_budget_bytes": budget,
             "queue_waiting": self.pool.waiting,
-            "live_conversations": self.warmer.live.count(time.monotonic()),
+            "live_conversations": self.warmer.live.count(now),
             "faults": self.faults.failing(),
             "namespaces": {kind: kept for kind, (kept, _) in self.namespaces().items()},
             "slots": [
@@ -128,6 +130,9 @@ class ConversationCache:
                     "key": s.holding.key if s.holding else None,
                     "n_tokens": s.holding.n_tokens if s.holding else 0,
                     "saved": s.saved,
+                    "tenant": _tenant(s.occupant),
+                    "idle_s": round(now - s.last_used, 1) if s.last_used and not s.busy else None,
+                    "action": s.action or ("saving" if s.saving else None),
                 }
                 for s in self.pool.slots
             ],
@@ -285,3 +290,11 @@ class ConversationCache:
         gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
+
+
+def _tenant(occupant: str | None) -> str | None:
+    """A slot's tenant as the status page shows it: a hash prefix, enough to tell tenants
+    apart and never who they are; None when not known (or no tenant)."""
+    if occupant is None or occupant in (ANYONE, NOBODY):
+        return None
+    return occupant[:8]

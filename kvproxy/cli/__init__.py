@@ -116,6 +116,7 @@ async def listen(runner: web.BaseRunner, settings: Settings) -> None:
 async def serve(settings: Settings) -> int:
     from aiohttp import web
 
+    from kvproxy.cli.display import Ticker
     from kvproxy.edge.app import RUNNER_OPTIONS, build_app
     from kvproxy.server import leftover
     from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
@@ -156,7 +157,11 @@ async def serve(settings: Settings) -> int:
         )
         await asyncio.to_thread(leftover.stop_leftover, settings.cache_dir)
         server = ManagedServer(command, port, settings.api_key)
-        await server.start(settings.server_start_timeout)
+        ticker = None
+        if not settings.log_json and not logging.getLogger().isEnabledFor(logging.DEBUG):
+            # Not at debug level: the server's lines, held back meanwhile, are shown there.
+            ticker = Ticker.for_terminal("llama-server is loading the model")
+        await server.start(settings.server_start_timeout, ticker)
         assert server.process is not None
         await asyncio.to_thread(
             leftover.record, settings.cache_dir, server.process.pid, server.command

@@ -69,3 +69,30 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         if self.shown and self.done and self.done < self.total:
             print(file=self.out)  # leave the terminal on a fresh line after an error
+
+
+class Ticker:
+    """One line rewritten in place on a terminal while the user waits (llama-server loading
+    its model); `for_terminal` gives None when stderr is not a terminal, so logs stay quiet."""
+
+    def __init__(self, what: str, out: TextIO) -> None:
+        self.what, self.out = what, out
+        self._shown = -1
+
+    @classmethod
+    def for_terminal(cls, what: str, out: TextIO | None = None) -> Ticker | None:
+        out = out or sys.stderr
+        return cls(what, out) if out.isatty() else None
+
+    def show(self, elapsed: float) -> None:
+        whole = int(elapsed)
+        if whole >= 1 and whole != self._shown:  # from 1 s: a fast start shows nothing
+            self.out.write(f"\r\x1b[K{self.what}… {whole} s")
+            self.out.flush()
+            self._shown = whole
+
+    def done(self) -> None:
+        if self._shown >= 0:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self._shown = -1

@@ -15,7 +15,7 @@ from aiohttp import StreamReader, web
 from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
-from kvproxy.edge import routes
+from kvproxy.edge import routes, status
 from kvproxy.edge.routes import RouteTable, Treatment, normal_path, predict_routes
 from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
@@ -23,6 +23,7 @@ from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
 from kvproxy.keys import header_bytes
 from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
+from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import RequestLog
 from kvproxy.wire import WireAdapter
 from kvproxy.wire.chat import ChatAdapter
@@ -61,7 +62,8 @@ class Service:
         )
         self.cache = ConversationCache(settings, self.upstream, self.events)
         self.metrics.watch(self.cache)
-        self.events.listeners += [self.metrics, RequestLog()]
+        self.recent = Recent()  # what the status page shows of the last requests
+        self.events.listeners += [self.metrics, RequestLog(), self.recent]
         chat = ChatAdapter(settings.keep_reasoning)
         # Routes the cache keys, each with the adapter that reads its wire format.
         self.keyed: dict[str, WireAdapter] = dict.fromkeys(CHAT_PATHS, chat)
@@ -71,6 +73,17 @@ class Service:
     def stats(self) -> dict[str, Any]:
         """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
         return {**self.cache.state(), **self.metrics.snapshot()}
+
+    def status(self) -> dict[str, Any]:
+        """`/kvproxy/status.json`, what the status page polls: the stats, the last requests,
+        weak hits and misses, and the last hour's totals."""
+        stats = self.stats()
+        del stats["histograms"]
+        return {
+            **stats,
+            "requests_total": sum(stats["requests"].values()),
+            **self.recent.snapshot(),
+        }
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -161,6 +174,11 @@ async def own_route(request: web.Request, service: Service, path: str) -> web.St
         return refusal
     if request.method == "GET" and path == "/kvproxy/stats":
         return web.json_response(service.stats(), dumps=lambda o: orjson.dumps(o).decode())
+    if request.method == "GET" and path == "/kvproxy/status.json":
+        return web.json_response(service.status(), dumps=lambda o: orjson.dumps(o).decode())
+    if request.method == "GET" and path == "/kvproxy":
+        # normal_path drops the slash; the page's relative URLs need it.
+        return status.page_response() if request.path.endswith("/") else status.to_page()
     if request.method == "GET" and path == "/metrics":
         # Shadows llama-server's own /metrics (scrape the server directly for those).
         return web.Response(
@@ -175,11 +193,12 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if refusal is not None:
         return error_response(403, refusal, "host_not_allowed")
     path = normal_path(request.path)
-    if not (path.startswith("/kvproxy/") or path == "/metrics"):
+    own = path == "/kvproxy" or path.startswith("/kvproxy/")
+    if not (own or path == "/metrics"):
         refused = client_refusal(request, service.settings)
         if refused is not None:
             return refused
-    if path.startswith("/kvproxy/") or (path == "/metrics" and request.method == "GET"):
+    if own or (path == "/metrics" and request.method == "GET"):
         return await own_route(request, service, path)
     decision = service.routes.decide(request.method, path)
     if decision.treatment is Treatment.REFUSED:

@@ -126,7 +126,9 @@ ROUTES: tuple[Route, ...] = (
     ),
     *_each(("/", "/sw.js"), GET, Treatment.PASS, "the server's web UI"),
     # --- kvproxy's own
-    Route("/kvproxy/*", ANY, Treatment.OWN, "/kvproxy/stats and what kvproxy adds"),
+    Route(
+        "/kvproxy/*", ANY, Treatment.OWN, "/kvproxy/stats, the status page /kvproxy/, and the rest"
+    ),
     Route("/metrics", GET, Treatment.OWN, "kvproxy's metrics (scrape the server for its own)"),
     # --- refused (403), whatever --allow-route says
     Route("/slots/*", ANY, Treatment.REFUSED, _SLOTS),

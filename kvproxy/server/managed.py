@@ -11,6 +11,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
@@ -123,6 +124,16 @@ def server_command(
     return cmd + list(extra)
 
 
+class Waiting(Protocol):
+    """A terminal's progress line while the server loads (cli/display.py Ticker)."""
+
+    def show(self, elapsed: float) -> None: ...
+
+    def done(self) -> None:
+        """Clear the line: a log line comes next."""
+        ...
+
+
 class ManagedServer:
     """One llama-server process, started through the one start-up path that managed mode,
     the benchmarks and the test suite share: flags earlier starts found this binary needs
@@ -149,15 +160,27 @@ class ManagedServer:
         self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
         self.cpu_flags: frozenset[str] = frozenset()
         self._reader: asyncio.Task[None] | None = None
+        self._holding = False  # the server's lines are held back while a terminal waits
 
-    async def start(self, timeout: float) -> None:
+    async def start(self, timeout: float, waiting: Waiting | None = None) -> None:
+        """Start the server and wait until it is healthy. `waiting` (a terminal's progress
+        line) is shown the seconds waited, a few times a second, and cleared before anything
+        is logged; meanwhile the server's own lines are held back (logged at debug; a start
+        that fails shows its last ones)."""
+        self._holding = waiting is not None
+        try:
+            await self._start(timeout, waiting)
+        finally:
+            self._holding = False
+
+    async def _start(self, timeout: float, waiting: Waiting | None) -> None:
         self.cpu_flags = await asyncio.to_thread(read_cpu_flags)
         key = await asyncio.to_thread(machine_key, Path(self.command[0]), self.cpu_flags)
         learned = await asyncio.to_thread(self.quirks.flags, key)
         self.command += [flag for flag in learned if flag not in self.command]
         while True:
             await self._spawn()
-            ended = await self._wait_healthy(timeout)
+            ended = await self._wait_healthy(timeout, waiting)
             if ended is None:
                 log.info("llama-server is up at %s", self.url)
                 return
@@ -198,11 +221,19 @@ class ManagedServer:
         async for raw in self.process.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             self.last_lines.append(line)
-            server_log.info("%s", line)
+            server_log.log(logging.DEBUG if self._holding else logging.INFO, "%s", line)
 
-    async def _wait_healthy(self, timeout: float) -> Exit | None:
+    async def _wait_healthy(self, timeout: float, waiting: Waiting | None = None) -> Exit | None:
         """None once /health answers 200; how the process ended if it died first."""
-        deadline = time.monotonic() + timeout
+        try:
+            return await self._poll_health(timeout, waiting)
+        finally:
+            if waiting is not None:
+                waiting.done()
+
+    async def _poll_health(self, timeout: float, waiting: Waiting | None) -> Exit | None:
+        began = time.monotonic()
+        deadline = began + timeout
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while True:
@@ -216,7 +247,11 @@ class ManagedServer:
                             return None
                 if time.monotonic() > deadline:
                     await self.stop()
-                    raise ServerError(f"llama-server not healthy after {timeout:g}s")
+                    tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
+                    lines = f"; its last lines:\n{tail}" if tail else ""
+                    raise ServerError(f"llama-server not healthy after {timeout:g}s{lines}")
+                if waiting is not None:
+                    waiting.show(time.monotonic() - began)
                 await asyncio.sleep(0.25)
 
     async def _collect_last_lines(self) -> None:

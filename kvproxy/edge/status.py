@@ -1,0 +1,54 @@
+"""The status page (`GET /kvproxy/`): one self-contained HTML file (status.html, shipped as
+package data: inline CSS and JS, nothing fetched from elsewhere, so it works offline) that
+polls `GET /kvproxy/status.json` every 2 s. Same access rule as `/kvproxy/stats`."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import re
+from importlib import resources
+from typing import NoReturn
+
+from aiohttp import web
+
+
+@functools.cache
+def page() -> bytes:
+    return resources.files("kvproxy.edge").joinpath("status.html").read_bytes()
+
+
+def _hashes(tag: str, html: bytes) -> str:
+    blocks = re.findall(rb"<%s>(.*?)</%s>" % (tag.encode(), tag.encode()), html, re.S)
+    return " ".join(
+        f"'sha256-{base64.b64encode(hashlib.sha256(b).digest()).decode()}'" for b in blocks
+    )
+
+
+@functools.cache
+def headers() -> dict[str, str]:
+    """Only the page's own script and style run (by hash); it fetches only from kvproxy,
+    and no other page may frame it. It writes client text (keys, miss excerpts) as text."""
+    html = page()
+    policy = (
+        f"default-src 'none'; script-src {_hashes('script', html)}; "
+        f"style-src {_hashes('style', html)}; connect-src 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    )
+    return {
+        "Content-Type": "text/html; charset=utf-8",
+        "Content-Security-Policy": policy,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-store",
+    }
+
+
+def page_response() -> web.Response:
+    return web.Response(body=page(), headers=headers())
+
+
+def to_page() -> NoReturn:
+    """`/kvproxy` without its slash: the page's relative `status.json` needs it."""
+    raise web.HTTPFound("/kvproxy/")
