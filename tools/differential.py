@@ -230,8 +230,9 @@ def report(arms: list[Arm], intended: dict[str, str]) -> tuple[int, dict[str, ob
             and direct.results.get(i, {}).get("outcome") not in (PASS, None)
         ]  # fmt: skip
         unexpected = [i for i in lost if intended_reason(i, intended) is None]
+        n_intended = len(lost) - len(unexpected)
         print(f"\npass direct, fail through {a.name}: {len(lost)} "
-              f"({len(lost) - len(unexpected)} intended, {len(unexpected)} unexpected)")  # fmt: skip
+              f"({n_intended} intended, {len(unexpected)} unexpected)")  # fmt: skip
         for i in lost:
             reason = intended_reason(i, intended)
             tag = f"intended: {reason}" if reason else "UNEXPECTED"

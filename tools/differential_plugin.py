@@ -94,7 +94,9 @@ def _local_model(repo: str | None, file: str | None) -> str:
     return os.environ["KVDIFF_TINY"]
 
 
-def _wait_healthy(url: str, api_key: str | None, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_healthy(
+    url: str, api_key: str | None, proc: subprocess.Popen[bytes], timeout: float
+) -> None:
     import requests
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -153,8 +155,9 @@ def _patch(utils: Any) -> None:
         env = dict(os.environ)
         if os.environ.get("KVDIFF_KVPROXY_PYTHONPATH"):
             env["PYTHONPATH"] = os.environ["KVDIFF_KVPROXY_PYTHONPATH"]
-        log = open(tempfile.mktemp(prefix="kvproxy-", suffix=".log", dir=work), "wb")  # noqa: SIM115
-        print(f"tests: starting kvproxy with: {' '.join(cmd)} (log {log.name})")
+        fd, log_name = tempfile.mkstemp(prefix="kvproxy-", suffix=".log", dir=work)
+        log = os.fdopen(fd, "wb")
+        print(f"tests: starting kvproxy with: {' '.join(cmd)} (log {log_name})")
         self._kvdiff_proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._kvdiff_log = log
         try:
