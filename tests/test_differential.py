@@ -16,12 +16,13 @@ pytestmark = pytest.mark.real
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Chosen by measurement (docs/differential.md has the per-file times): a few minutes for the
-# three arms on 2 cores, and between them they cover the six transparency bugs of issue 24.
+# Files (and one test) chosen by measurement (docs/differential.md has the per-file times): a
+# few minutes for the three arms on 2 cores; they cover the six transparency bugs of issue 24.
 FAST_SUBSET = (
     "unit/test_basic.py",  # --host as a comma list, /slots, the UI paths
+    "unit/test_chat_completion.py::test_return_progress",  # the prompt cache after start-up
     "unit/test_ignore_eos.py",
-    "unit/test_metrics.py",  # /metrics (intended), prompt cache counts after start-up
+    "unit/test_metrics.py",  # kvproxy's own /metrics, /slots refused: the intended blocks
     "unit/test_proxy.py",  # /cors-proxy: the server's loosely framed 204
     "unit/test_security.py",  # --api-key, X-Api-Key, CORS preflight, static assets
     "unit/test_sleep.py",  # --sleep-idle-seconds: kvproxy must not wake the server
