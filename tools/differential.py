@@ -172,13 +172,25 @@ def run_arm(
     with open(arm_dir / "pytest.log", "wb") as out:
         proc = subprocess.run(cmd, cwd=tests, env=env, stdout=out, stderr=subprocess.STDOUT)
     seconds = time.monotonic() - started
+    rows = read_results(results)
+    log(f"arm {name}: {len(rows)} tests in {seconds:.0f} s (pytest exit {proc.returncode})")
+    (arm_dir / "seconds").write_text(f"{seconds:.1f}\n")
+    return Arm(name, rows, seconds, proc.returncode)
+
+
+def read_results(path: Path) -> dict[str, dict[str, object]]:
     rows: dict[str, dict[str, object]] = {}
-    if results.is_file():
-        for line in results.read_text().splitlines():
+    if path.is_file():
+        for line in path.read_text().splitlines():
             row = json.loads(line)
             rows[row["id"]] = row
-    log(f"arm {name}: {len(rows)} tests in {seconds:.0f} s (pytest exit {proc.returncode})")
-    return Arm(name, rows, seconds, proc.returncode)
+    return rows
+
+
+def load_arm(name: str, work: Path) -> Arm:
+    seconds = work / name / "seconds"
+    took = float(seconds.read_text()) if seconds.is_file() else 0.0
+    return Arm(name, read_results(work / name / "results.jsonl"), took, 0)
 
 
 def load_intended(path: Path) -> dict[str, str]:
@@ -265,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=None, help="run dir (default: cache/run)")
     p.add_argument("--intended", type=Path, default=INTENDED, help="the reviewed list")
     p.add_argument("--json", type=Path, default=None, help="write the summary here")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: report on the results already in the run dir (e.g. after editing "
+        "the reviewed list)",
+    )
     args = p.parse_args(argv)
     arm_names = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arm_names or arm_names[0] != "direct" or any(a not in ARMS for a in arm_names):
@@ -276,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     intended = load_intended(args.intended)
     work = args.work or cache / "run"
     log(f"suite {suite}, {PACKAGE} {version}; models {models['tiny']}, {models['gemma']}")
-    arms = [run_arm(name, suite, work, models, args) for name in arm_names]
+    if args.report_only:
+        arms = [load_arm(name, work) for name in arm_names]
+    else:
+        arms = [run_arm(name, suite, work, models, args) for name in arm_names]
     if not arms[0].results:
         log(f"the direct arm ran no test: see {work / 'direct' / 'pytest.log'}")
         return 2
