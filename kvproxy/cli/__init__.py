@@ -175,6 +175,12 @@ async def serve(settings: Settings) -> int:
             "or --model PATH|default (kvproxy starts llama-server)"
         )
 
+    # From here on a SIGTERM stops kvproxy in order (its managed server too), even one sent as
+    # soon as the ready line shows; before, the default action is the way to stop a start.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     app = build_app(settings, upstream_url)
     # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off.
     runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=settings.shutdown_timeout / 3)
@@ -205,10 +211,6 @@ async def serve(settings: Settings) -> int:
         settings.cache_dir,
     )
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
     if server is not None:
         waiters.append(asyncio.create_task(server.wait()))
