@@ -174,20 +174,7 @@ class Conversations:
         held.template = dict(conv.template)
         slot.hold(held, saved=False)
         slot.ours_ended(0, UNKNOWN_REPLY_TOKENS)
-        started, queue_wait = times
-        self.events.request(
-            RequestEvent(
-                route=request.path,
-                decision=prepared.decision,
-                status=CLIENT_CLOSED,
-                key=conv.keys[-1],
-                slot=slot.id,
-                queue_wait_s=queue_wait,
-                duration_s=time.perf_counter() - started,
-                restored_tokens=prepared.restored_tokens,
-                restore_ms=prepared.restore_ms,
-            )
-        )
+        self.events.request(_event(request, slot, conv, prepared, CLIENT_CLOSED, times))
 
     def _record(
         self,
@@ -207,24 +194,11 @@ class Conversations:
             self._judge_restore(conv.namespace, prepared.expected_n, reply)
         lease.hand_off(self._after_reply(slot, conv, reply, adapter))
         timings = (reply.timings if reply is not None else None) or {}
-        started, queue_wait = times
-        event = RequestEvent(
-            route=request.path,
-            decision=prepared.decision,
-            status=status,
-            key=conv.keys[-1],
-            slot=slot.id,
-            queue_wait_s=queue_wait,
-            duration_s=time.perf_counter() - started,
-            restored_tokens=prepared.restored_tokens,
-            restore_ms=prepared.restore_ms,
-            # What came from a cache: not the tokens kvproxy had evaluated on the way.
-            cache_n=_less(_int_or_none(timings.get("cache_n")), prepared.evaluated),
-            prompt_n=_int_or_none(timings.get("prompt_n")),
-            prompt_ms=_float_or_none(timings.get("prompt_ms")),
-            evaluated=prepared.evaluated,
-            expected_n=prepared.expected_n,
-        )
+        event = _event(request, slot, conv, prepared, status, times)
+        # What came from a cache: not the tokens kvproxy had evaluated on the way.
+        event.cache_n = _less(_int_or_none(timings.get("cache_n")), prepared.evaluated)
+        event.prompt_n = _int_or_none(timings.get("prompt_n"))
+        event.prompt_ms = _float_or_none(timings.get("prompt_ms"))
         verdict = judge_reuse(prepared.expected_n, event.cache_n, event.prompt_n)
         if verdict is RestoreVerdict.WASTED:
             held = slot.holding
@@ -310,6 +284,31 @@ class Conversations:
         if event.miss is not None:
             self.preparer.parted(conv, event.miss.message_index, event.miss.char_offset)
         self.events.request(event)
+
+
+def _event(
+    request: web.Request,
+    slot: Slot,
+    conv: Conversation,
+    prepared: Prepared,
+    status: int,
+    times: tuple[float, float],
+) -> RequestEvent:
+    """The request's report as far as what kvproxy did for it (the reply's numbers apart)."""
+    started, queue_wait = times
+    return RequestEvent(
+        route=request.path,
+        decision=prepared.decision,
+        status=status,
+        key=conv.keys[-1],
+        slot=slot.id,
+        queue_wait_s=queue_wait,
+        duration_s=time.perf_counter() - started,
+        restored_tokens=prepared.restored_tokens,
+        restore_ms=prepared.restore_ms,
+        evaluated=prepared.evaluated,
+        expected_n=prepared.expected_n,
+    )
 
 
 def _int_or_none(value: Any) -> int | None:

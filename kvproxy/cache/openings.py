@@ -34,7 +34,6 @@ not retried). Measured on the bundled Gemma 3 270M: see tests/test_real_openings
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -278,7 +277,6 @@ class Openings:
         evaluated for it, or None when it was not made."""
         held = slot.holding
         assert held is not None
-        started = time.perf_counter()
         messages = held.messages[:depth]
         if len(messages) < depth:
             return False
@@ -291,14 +289,6 @@ class Openings:
             return None
         if not tokens or len(tokens) < self.settings.min_tokens or len(tokens) > held.n_tokens:
             return None
-        slot.mark_started()
-        try:
-            timings = await self.work.client.evaluate(slot.id, tokens)
-        except UpstreamError as exc:
-            log.warning("cutting slot %d to its opening failed: %s", slot.id, exc)
-            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
-            await self.work.verify(slot)
-            return None
         opening = Holding(
             held.namespace,
             held.chain[:depth],
@@ -308,22 +298,7 @@ class Openings:
             dict(held.template),
             canonical=True,
         )
-        slot.hold(opening, saved=False)
-        slot.evaluated(len(tokens))
-        saved = await self.work.save(slot)
-        log.info(
-            "slot %d: opening %s (%d messages, %d tokens) %s in %.0f ms",
-            slot.id,
-            opening.key[:12],
-            depth,
-            len(tokens),
-            "saved" if saved else "not saved",
-            (time.perf_counter() - started) * 1000,
-        )
-        evaluated = timings.get("prompt_n")
-        if not saved:
-            return None
-        return evaluated if isinstance(evaluated, int) and evaluated > 0 else 0
+        return await self.work.save_cut(slot, tokens, opening, f"opening of {depth} messages")
 
 
 def _long_system(messages: list[object]) -> bool:

@@ -240,6 +240,38 @@ class SlotWork:
             (time.perf_counter() - started) * 1000,
         )
 
+    async def save_cut(
+        self, slot: Slot, tokens: list[int], holding: Holding, what: str
+    ) -> int | None:
+        """Make the slot hold exactly `tokens` (kvproxy's own evaluation, `n_predict: 0`), the
+        state of `holding`, and save it as an entry of its own (an opening, a stem). The
+        tokens the server evaluated for it, or None when it was not saved."""
+        started = time.perf_counter()
+        slot.mark_started()
+        try:
+            timings = await self.client.evaluate(slot.id, tokens)
+        except UpstreamError as exc:
+            log.warning("evaluating the %s on slot %d failed: %s", what, slot.id, exc)
+            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
+            await self.verify(slot)
+            return None
+        slot.hold(holding, saved=False)
+        slot.evaluated(len(tokens))
+        saved = await self.save(slot)
+        log.info(
+            "slot %d: %s %s (%d tokens) %s in %.0f ms",
+            slot.id,
+            what,
+            holding.key[:12],
+            len(tokens),
+            "saved" if saved else "not saved",
+            (time.perf_counter() - started) * 1000,
+        )
+        evaluated = timings.get("prompt_n")
+        if not saved:
+            return None
+        return evaluated if isinstance(evaluated, int) and evaluated > 0 else 0
+
     def _disk_error(self, message: str) -> None:
         if not self._disk_error_logged:
             log.error("%s (further disk errors logged at debug level)", message)

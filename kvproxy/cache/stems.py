@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -169,7 +168,6 @@ class Stems:
     async def make(self, slot: Slot, conv: Conversation, cut: int, key: str) -> int:
         """Evaluate the request's stem on `slot` (ours, verified, its content saved if worth
         it) and save it: the tokens evaluated (the request then extends them)."""
-        started = time.perf_counter()
         tokens = None
         try:
             client = self.work.client
@@ -184,33 +182,13 @@ class Stems:
         if not tokens or len(tokens) < self.settings.min_tokens:
             self._fail(key)
             return 0
-        slot.mark_started()
-        try:
-            timings = await self.work.client.evaluate(slot.id, tokens)
-        except UpstreamError as exc:
-            log.warning("evaluating the stem on slot %d failed: %s", slot.id, exc)
-            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
-            await self.work.verify(slot)
-            return 0
         stem = Holding(
             conv.namespace, [key], len(tokens), 0, [], dict(conv.template), canonical=True
         )
-        slot.hold(stem, saved=False)
-        slot.evaluated(len(tokens))
-        saved = await self.work.save(slot)
-        log.info(
-            "slot %d: stem %s (%d characters, %d tokens) %s in %.0f ms",
-            slot.id,
-            key[:12],
-            cut,
-            len(tokens),
-            "saved" if saved else "not saved",
-            (time.perf_counter() - started) * 1000,
-        )
-        if not saved:
+        evaluated = await self.work.save_cut(slot, tokens, stem, f"stem of {cut} characters")
+        if evaluated is None:
             self._fail(key)
-        evaluated = timings.get("prompt_n")
-        return evaluated if isinstance(evaluated, int) and evaluated > 0 else 0
+        return evaluated or 0
 
     def _fail(self, key: str) -> None:
         self._failed[key] = None
