@@ -133,6 +133,18 @@ def table(client: str, rows: list[tuple[str, list[Turn]]]) -> None:
             )
 
 
+def claude_env(home: Path, base_url: str, max_output: str = MAX_OUTPUT) -> dict[str, str]:
+    """Claude Code pointed at `base_url`, offline, its replies capped."""
+    return client_env(
+        home,
+        ANTHROPIC_BASE_URL=base_url,
+        ANTHROPIC_API_KEY="kvproxy-test",
+        DISABLE_TELEMETRY="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=max_output,
+    )
+
+
 async def test_claude_code_turns_come_back_after_other_conversations(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -140,14 +152,7 @@ async def test_claude_code_turns_come_back_after_other_conversations(
     claude = await asyncio.to_thread(install, CLAUDE_CODE)
     home = tmp_path / "claude-home"
     home.mkdir()
-    env = client_env(
-        home,
-        ANTHROPIC_BASE_URL=proxy.url,
-        ANTHROPIC_API_KEY="kvproxy-test",
-        DISABLE_TELEMETRY="1",
-        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-        CLAUDE_CODE_MAX_OUTPUT_TOKENS=MAX_OUTPUT,
-    )
+    env = claude_env(home, proxy.url)
     # A reply cut at the output limit makes claude exit 1 after it; the requests are what
     # this measures.
     first = await asyncio.to_thread(run, [str(claude), "-p", "Say hi."], env, home)
@@ -318,18 +323,12 @@ async def test_a_claude_code_turn_interrupted_mid_reply_leaves_its_state(
     claude = await asyncio.to_thread(install, CLAUDE_CODE)
     home = tmp_path / "claude-home"
     home.mkdir()
-    settings = {
-        "ANTHROPIC_BASE_URL": proxy.url,
-        "ANTHROPIC_API_KEY": "kvproxy-test",
-        "DISABLE_TELEMETRY": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }
-    env = client_env(home, **settings, CLAUDE_CODE_MAX_OUTPUT_TOKENS=MAX_OUTPUT)
+    env = claude_env(home, proxy.url)
     await asyncio.to_thread(run, [str(claude), "-p", "Say hi."], env, home)
     await settled(proxy)
     recorder.take()
     # A long reply this time (the request's cap overrides the server's -n), stopped midway.
-    long_env = client_env(home, **settings, CLAUDE_CODE_MAX_OUTPUT_TOKENS="4000")
+    long_env = claude_env(home, proxy.url, max_output="4000")
     proc = await asyncio.create_subprocess_exec(
         str(claude),
         *("-p", "--continue", "Write a long story about shelves."),
@@ -383,14 +382,7 @@ async def test_two_agents_at_once_come_back_while_a_third_conversation_churns_th
     claude_home.mkdir()
     codex_home.mkdir()
     codex_config(codex_home, proxy.url)
-    claude_env = client_env(
-        claude_home,
-        ANTHROPIC_BASE_URL=proxy.url,
-        ANTHROPIC_API_KEY="kvproxy-test",
-        DISABLE_TELEMETRY="1",
-        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-        CLAUDE_CODE_MAX_OUTPUT_TOKENS=MAX_OUTPUT,
-    )
+    claude_vars = claude_env(claude_home, proxy.url)
     codex_env = client_env(codex_home)
     plain = first_turn(7, n_facts=30)
 
@@ -410,9 +402,9 @@ async def test_two_agents_at_once_come_back_while_a_third_conversation_churns_th
 
     rows: list[tuple[str, list[Turn]]] = []
     turns = [
-        ("Claude Code 1", claude, ["-p", "Say hi."], claude_env, claude_home),
+        ("Claude Code 1", claude, ["-p", "Say hi."], claude_vars, claude_home),
         ("Codex 1", codex, ["exec", "--skip-git-repo-check", "Say hi."], codex_env, codex_home),
-        ("Claude Code 2", claude, ["-p", "--continue", "Now bye."], claude_env, claude_home),
+        ("Claude Code 2", claude, ["-p", "--continue", "Now bye."], claude_vars, claude_home),
         (
             "Codex 2",
             codex,
@@ -420,7 +412,7 @@ async def test_two_agents_at_once_come_back_while_a_third_conversation_churns_th
             codex_env,
             codex_home,
         ),
-        ("Claude Code 3", claude, ["-p", "--continue", "One word?"], claude_env, claude_home),
+        ("Claude Code 3", claude, ["-p", "--continue", "One word?"], claude_vars, claude_home),
         (
             "Codex 3",
             codex,
