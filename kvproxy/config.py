@@ -46,8 +46,11 @@ class Settings(BaseSettings):
         "them (loopback by default)",
     )
     port: int = Field(8081, ge=0, le=65535, description="port to listen on")
-    upstream: AnyHttpUrl | None = Field(
-        None, description="URL of a running llama-server (sidecar mode)"
+    upstream: Annotated[list[AnyHttpUrl], NoDecode] = Field(
+        default_factory=list,
+        description="URL of a running llama-server (sidecar mode); repeat it for several "
+        "servers of one model sharing the cache dir (comma-separated in the env var)",
+        json_schema_extra={"repeatable": True},
     )
     upstream_api_key: SecretStr | None = Field(
         None, description="API key sent to llama-server as `Authorization: Bearer`"
@@ -173,6 +176,16 @@ class Settings(BaseSettings):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
 
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _split_upstreams(cls, value: object) -> object:
+        if value is None:
+            return []
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            return value
+        return [u.strip() for item in items for u in str(item).split(",") if u.strip()]
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _split_hosts(cls, value: object) -> object:
@@ -213,8 +226,15 @@ class Settings(BaseSettings):
         )
 
     @property
+    def upstream_urls(self) -> list[str]:
+        """Every llama-server of sidecar mode, in the order given."""
+        return [str(url).rstrip("/") for url in self.upstream]
+
+    @property
     def upstream_url(self) -> str | None:
-        return str(self.upstream).rstrip("/") if self.upstream else None
+        """The first (usually the only) llama-server of sidecar mode."""
+        urls = self.upstream_urls
+        return urls[0] if urls else None
 
     @property
     def api_key(self) -> str | None:

@@ -124,8 +124,8 @@ async def test_no_canonical_prefix_without_a_template(make: Maker) -> None:
     fake, proxy = await make()
 
     # A test double on this one session (patched for the proxy's life, which ends with the test).
-    proxy.cache.upstream.post_json = _failing_on(  # type: ignore[method-assign]
-        "/apply-template", proxy.cache.upstream.post_json
+    proxy.cache.backend.upstream.post_json = _failing_on(  # type: ignore[method-assign]
+        "/apply-template", proxy.cache.backend.upstream.post_json
     )
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
     await settle(proxy)

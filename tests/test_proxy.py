@@ -289,8 +289,8 @@ async def test_a_loosely_framed_bodiless_reply_passes_as_it_would_direct(tmp_pat
                 async with s.get(running.url + "/anything") as resp:
                     assert resp.status == 200 and await resp.read() == b"ok"
         # JSON calls of kvproxy's own use the same client.
-        assert await running.app[SERVICE].upstream.get_json("/loose") is None
-        assert await running.app[SERVICE].upstream.get_json("/anything") == "ok"
+        assert await running.app[SERVICE].upstreams[0].get_json("/loose") is None
+        assert await running.app[SERVICE].upstreams[0].get_json("/anything") == "ok"
     finally:
         await running.stop()
         await raw.stop()

@@ -51,9 +51,18 @@ PROPS_CHECK_INTERVAL = 15.0
 REDISCOVER_INTERVAL = 1.0
 
 
+# With several servers, how often each is checked: one that died leaves rotation within
+# this (a request that finds it unreachable takes it out at once), one that returns rejoins.
+SEVERAL_CHECK_INTERVAL = 2.0
+
+
 class Backend:
-    def __init__(self, upstream: Upstream, settings: Settings) -> None:
+    def __init__(self, upstream: Upstream, settings: Settings, several: bool = False) -> None:
         self.upstream = upstream
+        # One of several servers: checked more often, and distrusted when it returns (its
+        # requests went elsewhere meanwhile; it may have been restarted, empty).
+        self.several = several
+        self.check_interval = SEVERAL_CHECK_INTERVAL if several else PROPS_CHECK_INTERVAL
         self.client = LlamaClient(upstream)
         self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
         self.enabled = False  # slot pinning works (GET /slots answered)
@@ -72,6 +81,9 @@ class Backend:
         # Why the last look found no server (GET /props failed): None once one answered.
         self.down: UpstreamError | None = None
         self.sleeping = False  # the server's /props said `is_sleeping` (--sleep-idle-seconds)
+        # A request could not reach the server: what its slots held is distrusted once it
+        # answers again (it may have been restarted, empty).
+        self._lost = False
 
     def refuses_slot_actions(self) -> None:
         """The server answered a slot action 501 (no --slot-save-path): no saves or restores."""
@@ -82,11 +94,28 @@ class Backend:
         self.store_open = not opening
 
     @property
+    def name(self) -> str:
+        """The server's address (host:port), as logs, metrics and stats name it."""
+        return self.upstream.base_url.split("://", 1)[-1]
+
+    @property
+    def label(self) -> str | None:
+        """The server's name where a request's report names it: only among several."""
+        return self.name if self.several else None
+
+    @property
     def model_class(self) -> str:
         return self.model_info.model_class if self.model_info else "unknown"
 
     def props_check_due(self) -> bool:
-        return time.monotonic() - self._last_props_check > PROPS_CHECK_INTERVAL
+        return time.monotonic() - self._last_props_check > self.check_interval
+
+    def unreachable(self, reason: str) -> None:
+        """A request could not reach the server (with several, it goes to another): out of
+        rotation until the server answers a look again, and its slots distrusted then."""
+        self.down = UpstreamError(reason)
+        self.enabled = False
+        self._lost = True
 
     async def rediscover_if_off(self, wake: bool = True) -> None:
         """Called per request while caching is off: a server that came up is used at once.
@@ -112,8 +141,17 @@ class Backend:
             props = await self.client.props()
         except UpstreamError as exc:
             self.down = exc
+            self._lost = self._lost or self.several
             raise
         self.down = None
+        if self._lost:
+            self._lost = False
+            log.info(
+                "llama-server %s answers again: its slots are distrusted", self.upstream.base_url
+            )
+            for slot in self.pool.slots:
+                if not slot.busy:
+                    slot.forget()
         if self._notice_sleep(props) and not wake:
             return
         identity = await asyncio.to_thread(model_identity, props)

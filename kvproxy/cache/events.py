@@ -44,6 +44,8 @@ class RequestEvent:
     status: int
     key: str = ""  # conversation key (hex), "" when the request was not keyed
     slot: int | None = None
+    # The server (host:port) of the request's slot, when kvproxy fronts several.
+    backend: str | None = None
     queue_wait_s: float = 0.0
     duration_s: float = 0.0
     restored_tokens: int = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -35,13 +36,27 @@ from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, QueueFull, Slot
 from kvproxy.cache.unkeyed import Unkeyed, busy_response
 from kvproxy.http import bodies as jsonbody
-from kvproxy.http.errors import error_response
+from kvproxy.http.errors import error_response, unreachable_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
 from kvproxy.wire import Conversation, NotKeyed, WireAdapter
 from kvproxy.wire.capture import Reply
 
 log = logging.getLogger("kvproxy.cache")
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A keyed request's body as it came, parsed, and when the request came."""
+
+    body: bytes
+    parsed: jsonbody.Body
+    started: float
+
+
+def invalid_json(reason: str) -> web.Response:
+    return error_response(400, f"Request body is not valid JSON: {reason}", "invalid_json")
+
 
 # The status a request's log line and metrics show when its client hung up mid-reply (nginx's).
 CLIENT_CLOSED = 499
@@ -79,8 +94,27 @@ class Conversations:
         body = await request.read()
         parsed = jsonbody.parse(body)
         if parsed.invalid is not None:
-            message = f"Request body is not valid JSON: {parsed.invalid}"
-            return error_response(400, message, "invalid_json")
+            return invalid_json(parsed.invalid)
+        return await self.serve(request, path_qs, adapter, Incoming(body, parsed, started))
+
+    def read(
+        self, request: web.Request, adapter: WireAdapter, payload: dict[str, Any]
+    ) -> Conversation | NotKeyed:
+        """The request as a conversation of this server's model (its namespace)."""
+        tenant = keys.tenant_of(request.headers, self.settings.tenant_header)
+        return adapter.read(payload, self.backend.model_identity, tenant)
+
+    async def serve(
+        self,
+        request: web.Request,
+        path_qs: str,
+        adapter: WireAdapter,
+        incoming: Incoming,
+        conv: Conversation | NotKeyed | None = None,
+    ) -> web.StreamResponse:
+        """A keyed route's request, its body read and parsed, on this lane's server. `conv`:
+        the body already read as a conversation of this server's model (router.py)."""
+        started, body, parsed = incoming.started, incoming.body, incoming.parsed
         await self.backend.rediscover_if_off()
         if parsed.opaque:
             # JSON kvproxy cannot read or write back: to the server as it came.
@@ -89,8 +123,8 @@ class Conversations:
         if not self.backend.enabled or not isinstance(payload, dict):
             # Not an object: the server rejects it before it touches a slot.
             return (await self.unkeyed.relay_bypass(request, path_qs, body)).response
-        tenant = keys.tenant_of(request.headers, self.settings.tenant_header)
-        conv = adapter.read(payload, self.backend.model_identity, tenant)
+        if conv is None:
+            conv = self.read(request, adapter, payload)
         if isinstance(conv, NotKeyed):
             log.debug("not caching %s: %s", path_qs, conv.reason)
             if adapter.route_pins and not conv.several_slots:
@@ -107,6 +141,7 @@ class Conversations:
                     Decision.BUSY,
                     503,
                     key=conv.keys[-1],
+                    backend=self.backend.label,
                     queue_wait_s=waited,
                     duration_s=waited,
                 )
@@ -121,9 +156,7 @@ class Conversations:
                 prepared = await lease.guarded(self.preparer.prepare_or_miss(slot, conv))
             except UpstreamError as exc:
                 # The slot may hold another tenant's tokens and could not be erased.
-                return error_response(
-                    502, f"llama-server is unreachable: {exc}", "upstream_unreachable"
-                )
+                return unreachable_response(exc)
             capture = adapter.capture(conv)
             try:
                 result = await relay(
@@ -174,7 +207,9 @@ class Conversations:
         held.template = dict(conv.template)
         slot.hold(held, saved=False)
         slot.ours_ended(0, UNKNOWN_REPLY_TOKENS)
-        self.events.request(_event(request, slot, conv, prepared, CLIENT_CLOSED, times))
+        self.events.request(
+            _event(request, slot, conv, prepared, CLIENT_CLOSED, times, self.backend.label)
+        )
 
     def _record(
         self,
@@ -194,7 +229,7 @@ class Conversations:
             self._judge_restore(conv.namespace, prepared.expected_n, reply)
         lease.hand_off(self._after_reply(slot, conv, reply, adapter))
         timings = (reply.timings if reply is not None else None) or {}
-        event = _event(request, slot, conv, prepared, status, times)
+        event = _event(request, slot, conv, prepared, status, times, self.backend.label)
         # What came from a cache: not the tokens kvproxy had evaluated on the way.
         event.cache_n = _less(_int_or_none(timings.get("cache_n")), prepared.evaluated)
         event.prompt_n = _int_or_none(timings.get("prompt_n"))
@@ -293,6 +328,7 @@ def _event(
     prepared: Prepared,
     status: int,
     times: tuple[float, float],
+    backend: str | None,
 ) -> RequestEvent:
     """The request's report as far as what kvproxy did for it (the reply's numbers apart)."""
     started, queue_wait = times
@@ -302,6 +338,7 @@ def _event(
         status=status,
         key=conv.keys[-1],
         slot=slot.id,
+        backend=backend,
         queue_wait_s=queue_wait,
         duration_s=time.perf_counter() - started,
         restored_tokens=prepared.restored_tokens,

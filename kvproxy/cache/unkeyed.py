@@ -155,7 +155,13 @@ class Unkeyed:
         )
         duration = time.perf_counter() - started
         self.events.request(
-            RequestEvent(request.path, Decision.BYPASS, result.status, duration_s=duration)
+            RequestEvent(
+                request.path,
+                Decision.BYPASS,
+                result.status,
+                backend=self.backend.label,
+                duration_s=duration,
+            )
         )
         return result
 

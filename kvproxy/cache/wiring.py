@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,14 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Events
 from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
-from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.keyed import Conversations
+from kvproxy.cache.lane import Lane, make_lane
 from kvproxy.cache.leases import Background
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
-from kvproxy.cache.prepare import Preparer
+from kvproxy.cache.router import Router
 from kvproxy.cache.slotio import SlotWork
-from kvproxy.cache.slots import ANYONE, NOBODY, QueueFull, SlotPool
+from kvproxy.cache.slots import ANYONE, NOBODY, QueueFull, Slot, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
@@ -46,50 +47,84 @@ HOUSEKEEPING_INTERVAL = 1.0
 
 
 class ConversationCache:
-    def __init__(self, settings: Settings, upstream: Upstream, events: Events) -> None:
+    def __init__(self, settings: Settings, upstreams: Sequence[Upstream], events: Events) -> None:
         self.settings = settings
-        self.upstream = upstream
         self.events = events
-        self.backend = Backend(upstream, settings)
         self.store = Store(Path(settings.cache_dir), settings.ttl, int(settings.max_disk))
         self.habits = Habits()
         self.guard = RestoreGuard()
         self.faults = Faults()  # what fails in work nobody waits for (faults.py)
         self.background = Background(self.faults)
         self.store.on_orphaned_error = partial(self.faults.failed, "store operation")
-        # The one place every part is built: each gets the context and the parts it uses.
-        ctx = CacheContext(
-            settings, self.backend, self.store, events, self.habits, self.guard, self.background
-        )
-        self.work = SlotWork(ctx)
-        self.warmer = Warmer(
-            self.backend.pool,
-            self.work,
-            self.background,
-            settings.live_window,
-            settings.effective_idle_save_after,
-        )
-        self.unkeyed = Unkeyed(ctx, self.work)
-        self.openings = Openings(ctx, self.work)
-        preparer = Preparer(ctx, self.work, self.openings, HabitLearning(ctx))
-        self.conversations = Conversations(ctx, self.work, preparer, self.unkeyed, self.warmer)
+        # The one place every part is built: each lane gets a context with its own backend
+        # and the parts every lane shares.
+        several = len(upstreams) > 1
+        self.lanes = [
+            make_lane(
+                CacheContext(
+                    settings,
+                    Backend(upstream, settings, several),
+                    self.store,
+                    events,
+                    self.habits,
+                    self.guard,
+                    self.background,
+                ),
+            )
+            for upstream in upstreams
+        ]
+        self.router = Router(self.lanes, self.opened)
         self._housekeeper: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
         self._habits_written = 0  # habits.changes when they were last written out
+
+    # --- the first (with one server, the only) lane
+
+    @property
+    def lane(self) -> Lane:
+        return self.lanes[0]
+
+    @property
+    def backend(self) -> Backend:
+        return self.lane.backend
+
+    @property
+    def work(self) -> SlotWork:
+        return self.lane.work
+
+    @property
+    def warmer(self) -> Warmer:
+        return self.lane.warmer
+
+    @property
+    def unkeyed(self) -> Unkeyed:
+        return self.lane.unkeyed
+
+    @property
+    def openings(self) -> Openings:
+        return self.lane.openings
+
+    @property
+    def conversations(self) -> Conversations:
+        return self.lane.conversations
 
     # --- what the scrape and the stats read
 
     @property
     def pool(self) -> SlotPool:
-        return self.backend.pool
+        return self.lane.pool
+
+    def pools(self) -> list[tuple[str, SlotPool, bool]]:
+        """Per llama-server: its name, slot pool, and whether it is in rotation."""
+        return [(lane.name, lane.pool, lane.in_rotation) for lane in self.lanes]
 
     @property
     def enabled(self) -> bool:
-        return self.backend.enabled
+        return any(lane.backend.enabled for lane in self.lanes)
 
     @property
     def disk_enabled(self) -> bool:
-        return self.backend.disk_enabled
+        return any(lane.backend.disk_enabled for lane in self.lanes)
 
     def disk_usage(self) -> tuple[int, int, int]:
         summary = self.store.summary  # kept by the store's queries: no database read here
@@ -101,10 +136,11 @@ class ConversationCache:
 
     def namespaces(self) -> dict[str, tuple[int, int]]:
         """Per kind of per-namespace memory (bounds.py): (namespaces kept, evicted so far)."""
-        openings = self.openings.kept
+        kept = sum(len(lane.openings.kept) for lane in self.lanes)
+        evicted = sum(lane.openings.kept.evicted for lane in self.lanes)
         return {
             "habits": (len(self.habits.kept), self.habits.evicted),
-            "openings": (len(openings), openings.evicted),
+            "openings": (kept, evicted),
         }
 
     def state(self) -> dict[str, Any]:
@@ -119,22 +155,13 @@ class ConversationCache:
             "entries": entries,
             "disk_bytes": used,
             "disk_budget_bytes": budget,
-            "queue_waiting": self.pool.waiting,
-            "live_conversations": self.warmer.live.count(now),
+            "queue_waiting": sum(lane.pool.waiting for lane in self.lanes),
+            "live_conversations": sum(lane.warmer.live.count(now) for lane in self.lanes),
             "faults": self.faults.failing(),
             "namespaces": {kind: kept for kind, (kept, _) in self.namespaces().items()},
+            "backends": [_backend_state(lane) for lane in self.lanes],
             "slots": [
-                {
-                    "id": s.id,
-                    "busy": s.busy,
-                    "key": s.holding.key if s.holding else None,
-                    "n_tokens": s.holding.n_tokens if s.holding else 0,
-                    "saved": s.saved,
-                    "tenant": _tenant(s.occupant),
-                    "idle_s": round(now - s.last_used, 1) if s.last_used and not s.busy else None,
-                    "action": s.action or ("saving" if s.saving else None),
-                }
-                for s in self.pool.slots
+                _slot_state(slot, lane, now) for lane in self.lanes for slot in lane.pool.slots
             ],
         }
 
@@ -143,7 +170,8 @@ class ConversationCache:
     async def start(self) -> None:
         """Start opening the cache dir and return: the proxy binds its port and serves
         uncached (`backend.store_open` is false) while a large cache opens or imports."""
-        self.backend.store_opening(True)
+        for lane in self.lanes:
+            lane.backend.store_opening(True)
         self._started = asyncio.Event()
         self._housekeeper = asyncio.create_task(self._open_then_housekeep(self._started))
 
@@ -163,35 +191,44 @@ class ConversationCache:
         # A file past the bounds is written back trimmed at the next housekeeping tick.
         self._habits_written = self.habits.changes - int(trimmed)
         window = self.settings.live_window
-        if window > 0:
-            self.warmer.recall(await self.store.used_since_async(time.time() - window))
-        self.backend.store_opening(False)
-        try:
-            await self.backend.discover()
-        except UpstreamError as exc:
-            log.warning("llama-server not ready (%s); will retry in the background", exc)
-        self.warmer.enabled = True
+        used = await self.store.used_since_async(time.time() - window) if window > 0 else []
+        for lane in self.lanes:
+            lane.warmer.recall(used)
+            lane.backend.store_opening(False)
+        await asyncio.gather(*(self._discover(lane) for lane in self.lanes))
+        for lane in self.lanes:
+            lane.warmer.enabled = True
         started.set()
         await self._housekeeping()
+
+    async def _discover(self, lane: Lane) -> None:
+        try:
+            await lane.backend.discover()
+        except UpstreamError as exc:
+            log.warning(
+                "llama-server %s not ready (%s); will retry in the background", lane.name, exc
+            )
 
     @property
     def looked(self) -> bool:
         """The cache dir is open (or failed to) and the server was looked for once."""
         return self._started.is_set()
 
-    async def until_discovered(self) -> web.Response | None:
-        """Before a slot-using request: wait (at most --queue-timeout, as for a slot) until
-        the cache dir is open and the server was looked for, and look again if it was not
-        found. A request relayed before that would run unpinned, leaving a slot with tokens
-        of no known occupant, which the cross-tenant guard then erases. None when the
-        request may go; else the answer to give instead (what the server would say)."""
+    async def opened(self) -> web.Response | None:
+        """Wait (at most --queue-timeout, as for a slot) until the cache dir is open and the
+        servers were looked for once: a request relayed before that would run unpinned,
+        leaving a slot with tokens of no known occupant, which the cross-tenant guard then
+        erases. None when that is done; else what the client gets instead."""
         if not self._started.is_set():
             try:
                 await asyncio.wait_for(self._started.wait(), self.settings.queue_timeout)
             except TimeoutError:
                 return loading_response("Loading model (kvproxy is opening its cache dir)")
-        await self.backend.rediscover_if_off()
-        return self.backend.not_ready()
+        return None
+
+    async def until_discovered(self, lane: Lane | None = None) -> web.Response | None:
+        """Before a slot-using request on `lane` (the first by default): see Router.ready."""
+        return await self.router.ready(lane or self.lane)
 
     async def started(self) -> None:
         """Wait until the cache dir is open and the server was looked for once (what
@@ -204,32 +241,26 @@ class ConversationCache:
         in the log, and lost."""
         began = time.monotonic()
         budget = self.settings.shutdown_timeout if budget is None else budget
-        self.warmer.enabled = False  # a save under way finishes; no new one starts
+        for lane in self.lanes:
+            lane.warmer.enabled = False  # a save under way finishes; no new one starts
         if self._housekeeper is not None:
             self._housekeeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeper
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.background.wait(), max(0.0, budget / 2))
-        if not self.enabled or not self.store.ready:
+        if not self.store.ready:
             await asyncio.to_thread(self.store.close)
             return
-        lost = []
-        for slot in self.pool.slots:
-            if not self.work.worth_saving(slot):
-                continue
-            remaining = budget - (time.monotonic() - began)
-            try:
-                if remaining <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(self._save_for_shutdown(slot.id), remaining)
-            except TimeoutError:
-                held = slot.holding
-                lost.append(
-                    f"slot {slot.id} ({held.key[:12]}, {held.n_tokens} tokens)"
-                    if held
-                    else f"slot {slot.id}"
-                )
+        # Every server saves its own slots at the same time: the deadline is the whole stop's.
+        remaining = budget - (time.monotonic() - began)
+        lost = [
+            name
+            for names in await asyncio.gather(
+                *(self._save_lane(lane, remaining) for lane in self.lanes if lane.backend.enabled)
+            )
+            for name in names
+        ]
         if lost:
             log.warning(
                 "shutdown deadline (%.0f s) passed: not saved, lost: %s", budget, ", ".join(lost)
@@ -239,14 +270,27 @@ class ConversationCache:
         await self.write_habits()
         await asyncio.to_thread(self.store.close)
 
-    async def _save_for_shutdown(self, slot_id: int) -> None:
-        with contextlib.suppress(QueueFull, UpstreamError, OSError):
-            got, _ = await self.pool.acquire(wanted=slot_id)
+    async def _save_lane(self, lane: Lane, budget: float) -> list[str]:
+        """Save one server's unsaved slots within `budget` seconds; what was not saved."""
+        began = time.monotonic()
+        lost = []
+        where = f" on {lane.name}" if len(self.lanes) > 1 else ""
+        for slot in lane.pool.slots:
+            if not lane.work.worth_saving(slot):
+                continue
+            remaining = budget - (time.monotonic() - began)
             try:
-                await self.work.verify(got)
-                await self.work.save(got)
-            finally:
-                self.pool.release(got)
+                if remaining <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(_save_for_shutdown(lane, slot.id), remaining)
+            except TimeoutError:
+                held = slot.holding
+                lost.append(
+                    f"slot {slot.id}{where} ({held.key[:12]}, {held.n_tokens} tokens)"
+                    if held
+                    else f"slot {slot.id}{where}"
+                )
+        return lost
 
     async def write_habits(self) -> None:
         """Write what the clients were seen to do, when something new was learnt."""
@@ -269,15 +313,18 @@ class ConversationCache:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             try:
-                if self.backend.props_check_due():
+                due = [lane for lane in self.lanes if lane.backend.props_check_due()]
+                if due:
                     await self.notice_removals()
-                    await self.backend.discover()
                 else:
                     await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
-                await self.work.evict()
+                for lane in due:
+                    await self._look_again(lane)
+                await self.lane.work.evict()
                 await self.write_habits()
-                if self.enabled:
-                    self.warmer.kick()
+                for lane in self.lanes:
+                    if lane.backend.enabled:
+                        lane.warmer.kick()
             except UpstreamError as exc:
                 log.debug("housekeeping: %s", exc)
             except Exception as exc:
@@ -286,10 +333,57 @@ class ConversationCache:
             else:
                 self.faults.succeeded("housekeeping")
 
+    async def _look_again(self, lane: Lane) -> None:
+        """One server's periodic check; with several, one that is down does not keep the
+        others from theirs."""
+        if len(self.lanes) == 1:
+            await lane.backend.discover()
+            return
+        try:
+            await lane.backend.discover()
+        except UpstreamError as exc:
+            log.debug("housekeeping: %s: %s", lane.name, exc)
+
     async def notice_removals(self) -> None:
         gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
+
+
+async def _save_for_shutdown(lane: Lane, slot_id: int) -> None:
+    with contextlib.suppress(QueueFull, UpstreamError, OSError):
+        got, _ = await lane.pool.acquire(wanted=slot_id)
+        try:
+            await lane.work.verify(got)
+            await lane.work.save(got)
+        finally:
+            lane.pool.release(got)
+
+
+def _backend_state(lane: Lane) -> dict[str, Any]:
+    backend = lane.backend
+    return {
+        "name": lane.name,
+        "enabled": backend.enabled,
+        "down": str(backend.down) if backend.down is not None else None,
+        "model_class": backend.model_class,
+        "slots": len(backend.pool.slots),
+        "queue_waiting": backend.pool.waiting,
+    }
+
+
+def _slot_state(slot: Slot, lane: Lane, now: float) -> dict[str, Any]:
+    return {
+        "id": slot.id,
+        "backend": lane.name,
+        "busy": slot.busy,
+        "key": slot.holding.key if slot.holding else None,
+        "n_tokens": slot.holding.n_tokens if slot.holding else 0,
+        "saved": slot.saved,
+        "tenant": _tenant(slot.occupant),
+        "idle_s": round(now - slot.last_used, 1) if slot.last_used and not slot.busy else None,
+        "action": slot.action or ("saving" if slot.saving else None),
+    }
 
 
 def _tenant(occupant: str | None) -> str | None:

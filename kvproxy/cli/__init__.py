@@ -166,9 +166,9 @@ async def serve(settings: Settings) -> int:
         await asyncio.to_thread(
             leftover.record, settings.cache_dir, server.process.pid, server.command
         )
-        upstream_url = server.url
-    elif settings.upstream_url:
-        upstream_url = settings.upstream_url
+        upstream_urls = [server.url]
+    elif settings.upstream_urls:
+        upstream_urls = settings.upstream_urls
     else:
         raise SystemExit(
             "kvproxy: nothing to proxy: give --upstream URL (a running llama-server) "
@@ -181,7 +181,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = build_app(settings, upstream_url)
+    app = build_app(settings, upstream_urls)
     # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off.
     runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=settings.shutdown_timeout / 3)
     try:
@@ -207,7 +207,7 @@ async def serve(settings: Settings) -> int:
         "kvproxy ready: point OpenAI clients at http://%s:%d/v1 (llama-server at %s, cache %s)",
         shown_host,
         settings.port,
-        upstream_url,
+        ", ".join(upstream_urls),
         settings.cache_dir,
     )
 

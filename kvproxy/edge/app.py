@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -47,7 +47,7 @@ MANAGEMENT_PATHS = frozenset(r.path for r in routes.MODEL_MANAGEMENT)
 class Service:
     """Everything one running proxy owns; lives on the app object."""
 
-    def __init__(self, settings: Settings, upstream_url: str) -> None:
+    def __init__(self, settings: Settings, upstream_urls: str | Sequence[str]) -> None:
         self.settings = settings
         # kvproxy's environment is the managed server's, and usually the sidecar's too.
         self.routes = RouteTable(
@@ -55,12 +55,14 @@ class Service:
         )
         for path in self.routes.refused_allowances():
             log.warning("--allow-route %s names a route kvproxy refuses; it stays refused", path)
-        self.upstream = Upstream(upstream_url, settings.api_key)
+        urls = [upstream_urls] if isinstance(upstream_urls, str) else list(upstream_urls)
+        # One session per llama-server; the cache keeps a lane (slot pool, identity) for each.
+        self.upstreams = [Upstream(url, settings.api_key) for url in urls]
         self.events = Events()
         self.metrics = Metrics(
             CHAT_PATHS | MESSAGES_PATHS | RESPONSES_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS
         )
-        self.cache = ConversationCache(settings, self.upstream, self.events)
+        self.cache = ConversationCache(settings, self.upstreams, self.events)
         self.metrics.watch(self.cache)
         self.recent = Recent()  # what the status page shows of the last requests
         self.events.listeners += [self.metrics, RequestLog(), self.recent]
@@ -86,7 +88,8 @@ class Service:
         }
 
     async def start(self) -> None:
-        await self.upstream.start()
+        for upstream in self.upstreams:
+            await upstream.start()
         await self.cache.start()
 
     async def stop(self) -> None:
@@ -94,7 +97,8 @@ class Service:
             # Requests in flight had a third of the deadline (kvproxy serve's AppRunner).
             await self.cache.stop(self.settings.shutdown_timeout * 0.6)
         finally:
-            await self.upstream.close()
+            for upstream in self.upstreams:
+                await upstream.close()
 
 
 SERVICE = web.AppKey("service", Service)
@@ -225,27 +229,27 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         # The server answers 503 until it is ready; kvproxy is ready once it has looked for
         # the server: a client that waits for 200 then sends requests kvproxy can pin.
         return loading_response()
+    router = service.cache.router
     if path in HEALTH_PATHS:
-        await service.cache.backend.rediscover_if_off(wake=False)
+        for lane in router.lanes:
+            await lane.backend.rediscover_if_off(wake=False)
     if request.method == "POST":
-        cache = service.cache
         adapter = service.keyed.get(path)
-        if adapter is not None or path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
-            not_yet = await cache.until_discovered()
+        if adapter is not None:
+            return await router.handle_keyed(request, _path_qs(path, request), adapter)
+        if path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
+            lane = router.pick()
+            not_yet = await router.ready(lane)
             if not_yet is not None:
                 return not_yet
-        if adapter is not None:
-            path_qs = _path_qs(path, request)
-            return await cache.conversations.handle_keyed(request, path_qs, adapter)
-        if path in PINNABLE_PATHS:
-            return await cache.unkeyed.handle_pinned(request, _path_qs(path, request))
-        if path in UNPINNABLE_PATHS:
-            return await cache.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
+            if path in PINNABLE_PATHS:
+                return await lane.unkeyed.handle_pinned(request, _path_qs(path, request))
+            return await lane.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
     if path in MANAGEMENT_PATHS and decision.treatment is Treatment.EVERY_SLOT:
         # Allowed (--allow-model-management): a model the router unloads takes its slots'
         # state with it, so every slot is held and what would be lost is saved first.
         body = await request.read()
-        return await service.cache.unkeyed.hold_all(request, _path_qs(path, request), body)
+        return await router.pick().unkeyed.hold_all(request, _path_qs(path, request), body)
     return await forward(request, service, _path_qs(path, request))
 
 
@@ -259,7 +263,8 @@ async def forward(request: web.Request, service: Service, path_qs: str) -> web.S
         data = request.content
         if request.content_length is None:
             data = limited = _Limited(request.content, int(limit))
-    result = await relay(request, service.upstream, path_qs, data, body_replaced=False)
+    upstream = service.cache.router.pick().backend.upstream
+    result = await relay(request, upstream, path_qs, data, body_replaced=False)
     if limited is not None and limited.exceeded and not result.response.prepared:
         return _too_large(service.settings)
     return result.response
@@ -325,9 +330,9 @@ RUNNER_OPTIONS: dict[str, Any] = {
 }
 
 
-def build_app(settings: Settings, upstream_url: str) -> web.Application:
+def build_app(settings: Settings, upstream_urls: str | Sequence[str]) -> web.Application:
     app = web.Application(client_max_size=settings.max_body, middlewares=[guard])
-    service = Service(settings, upstream_url)
+    service = Service(settings, upstream_urls)
     app[SERVICE] = service
 
     async def lifecycle(_app: web.Application):  # type: ignore[no-untyped-def]

@@ -51,3 +51,17 @@ def loading_response(message: str = "Loading model") -> web.Response:
     middleware): a 503 clients and health checks already wait on."""
     body = {"error": {"message": message, "type": "unavailable_error", "code": 503}}
     return web.Response(status=503, body=orjson.dumps(body), content_type="application/json")
+
+
+class Unreachable(web.Response):
+    """A 502 for a server that could not be reached before any byte of a reply: with several
+    servers, the request may go to another one instead (cache/router.py)."""
+
+
+def unreachable_response(exc: BaseException) -> web.Response:
+    message = f"llama-server is unreachable: {str(exc) or type(exc).__name__}"
+    return Unreachable(
+        status=502,
+        body=error_body(502, message, "upstream_unreachable"),
+        content_type="application/json",
+    )

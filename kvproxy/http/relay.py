@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.http.errors import error_response, sse_error_event
+from kvproxy.http.errors import sse_error_event, unreachable_response
 from kvproxy.http.session import Upstream
 
 if TYPE_CHECKING:
@@ -116,10 +116,7 @@ async def relay(
         up = await upstream_cm.__aenter__()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         log.warning("upstream unreachable for %s %s: %s", request.method, path_qs, exc)
-        refused = error_response(
-            502, f"llama-server is unreachable: {exc or type(exc).__name__}", "upstream_unreachable"
-        )
-        return RelayResult(refused, 502, False)
+        return RelayResult(unreachable_response(exc), 502, False)
 
     complete = False
     try:

@@ -3,7 +3,7 @@ depth, slots, namespaces kept, background faults."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -14,8 +14,9 @@ from kvproxy.cache.slots import SlotPool
 class Gauged(Protocol):
     """What the scrape reads off the cache."""
 
-    @property
-    def pool(self) -> SlotPool: ...
+    def pools(self) -> Sequence[tuple[str, SlotPool, bool]]:
+        """Per llama-server: (its name, its slot pool, whether it is in rotation)."""
+        ...
 
     @property
     def enabled(self) -> bool: ...
@@ -44,7 +45,8 @@ class CacheCollector:
 
     def collect(self) -> Iterator[Metric]:
         cache = self.cache
-        pool = cache.pool
+        pools = cache.pools()
+        slots = [slot for _, pool, _ in pools for slot in pool.slots]
         entries, used, budget = cache.disk_usage()
         yield _gauge("kvproxy_cache_entries", "Entries in the cache dir.", entries)
         yield _gauge(
@@ -57,19 +59,41 @@ class CacheCollector:
             "The cache dir's byte budget (--max-disk; 0 = none).",
             budget,
         )
-        yield _gauge("kvproxy_queue_depth", "Requests waiting for a slot.", pool.waiting)
-        yield _gauge("kvproxy_slots", "llama-server slots.", len(pool.slots))
+        yield _gauge(
+            "kvproxy_queue_depth",
+            "Requests waiting for a slot.",
+            sum(pool.waiting for _, pool, _ in pools),
+        )
+        yield _gauge("kvproxy_slots", "llama-server slots.", len(slots))
         yield _gauge(
             "kvproxy_slots_busy",
             "Slots serving a request or a save/restore.",
-            sum(1 for s in pool.slots if s.busy),
+            sum(1 for s in slots if s.busy),
         )
         held = GaugeMetricFamily(
-            "kvproxy_slot_tokens", "Tokens of the conversation each slot holds.", labels=["slot"]
+            "kvproxy_slot_tokens",
+            "Tokens of the conversation each slot holds, by server and slot.",
+            labels=["backend", "slot"],
         )
-        for slot in pool.slots:
-            held.add_metric([str(slot.id)], slot.holding.n_tokens if slot.holding else 0)
+        up = GaugeMetricFamily(
+            "kvproxy_backend_up",
+            "1 while a llama-server is in rotation (answers, pins slots), by server.",
+            labels=["backend"],
+        )
+        busy = GaugeMetricFamily(
+            "kvproxy_backend_slots_busy",
+            "Busy slots by server.",
+            labels=["backend"],
+        )
+        for name, pool, in_rotation in pools:
+            up.add_metric([name], int(in_rotation))
+            busy.add_metric([name], sum(1 for s in pool.slots if s.busy))
+            for slot in pool.slots:
+                tokens = slot.holding.n_tokens if slot.holding else 0
+                held.add_metric([name, str(slot.id)], tokens)
         yield held
+        yield up
+        yield busy
         yield _gauge(
             "kvproxy_caching_enabled",
             "1 when slot pinning works (GET /slots answered).",

@@ -44,6 +44,12 @@ class Metrics:
             ["decision", "route", "status"],
             registry=r,
         )
+        self.backend_requests = Counter(
+            "kvproxy_backend_requests",
+            "Requests by llama-server (with several behind kvproxy) and cache decision.",
+            ["backend", "decision"],
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "kvproxy_request_seconds",
             "Time from request to the end of the relayed reply, by cache decision.",
@@ -165,6 +171,8 @@ class Metrics:
             event.decision, self._route(event.route), f"{event.status // 100}xx"
         ).inc()
         self.request_seconds.labels(event.decision).observe(event.duration_s)
+        if event.backend is not None:
+            self.backend_requests.labels(event.backend, event.decision).inc()
         if event.decision != "bypass":
             self.queue_wait.observe(event.queue_wait_s)
         if event.cache_n is not None:

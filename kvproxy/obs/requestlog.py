@@ -74,6 +74,7 @@ def request_fields(event: RequestEvent) -> dict[str, Any]:
         "key": event.key[:12],
         "decision": event.decision,
         "slot": event.slot,
+        "backend": event.backend,
         "status": event.status,
         "duration_s": round(event.duration_s, 4),
         "queue_wait_s": round(event.queue_wait_s, 4),
@@ -110,6 +111,8 @@ def format_request(event: RequestEvent, fields: dict[str, Any] | None = None) ->
     parts.append(event.decision)
     if event.slot is not None:
         parts.append(f"slot={event.slot}")
+    if event.backend is not None:
+        parts.append(f"backend={event.backend}")
     if event.decision == "restored":
         parts.append(f"restored={event.restored_tokens}tok/{event.restore_ms:.1f}ms")
     if event.cache_n is not None:

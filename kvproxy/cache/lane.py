@@ -1,0 +1,56 @@
+"""One lane: one llama-server kvproxy sends work to, with every part that works on its slots.
+
+A lane is a backend (backend.py: the server's client, slot pool and model identity) and the
+parts built on it: slot work, background saves, the unkeyed paths, openings and the keyed
+path. Every lane shares the cache's store, habits, restore guard, events and background work
+(the context's other fields), so a conversation saved through one lane is found by any lane
+whose model identity (and so namespace) is the same.
+"""
+
+from __future__ import annotations
+
+from kvproxy.cache.background_saves import Warmer
+from kvproxy.cache.context import CacheContext
+from kvproxy.cache.habits.learning import HabitLearning
+from kvproxy.cache.keyed import Conversations
+from kvproxy.cache.openings import Openings
+from kvproxy.cache.prepare import Preparer
+from kvproxy.cache.slotio import SlotWork
+from kvproxy.cache.slots import SlotPool
+from kvproxy.cache.unkeyed import Unkeyed
+
+
+class Lane:
+    def __init__(self, ctx: CacheContext, name: str) -> None:
+        self.name = name  # how logs, metrics and stats name the server (its address)
+        self.ctx = ctx
+        self.backend = ctx.backend
+        self.work = SlotWork(ctx)
+        settings = ctx.settings
+        self.warmer = Warmer(
+            ctx.backend.pool,
+            self.work,
+            ctx.background,
+            settings.live_window,
+            settings.effective_idle_save_after,
+        )
+        self.unkeyed = Unkeyed(ctx, self.work)
+        self.openings = Openings(ctx, self.work)
+        preparer = Preparer(ctx, self.work, self.openings, HabitLearning(ctx))
+        self.conversations = Conversations(ctx, self.work, preparer, self.unkeyed, self.warmer)
+
+    @property
+    def pool(self) -> SlotPool:
+        return self.backend.pool
+
+    @property
+    def in_rotation(self) -> bool:
+        """The server answered its last look and pins slots: requests may go to it."""
+        return self.backend.enabled and self.backend.down is None
+
+    def __repr__(self) -> str:
+        return f"Lane({self.name})"
+
+
+def make_lane(ctx: CacheContext) -> Lane:
+    return Lane(ctx, ctx.backend.name)

@@ -1,0 +1,65 @@
+"""Which server a request goes to, when kvproxy has several: decided on plain data.
+
+The rule, in order:
+1. A server that holds the conversation in an idle slot (the longest prefix of it, of the
+   request's namespace) gets it: nothing to restore, nothing to prefill.
+2. Else a server with an idle slot, the one with the fewest requests waiting, then the most
+   empty slots (nothing resident is pushed out while a slot holds nothing), then the most
+   idle ones: the state comes back from disk there (every server restores from the shared
+   cache dir), so no request waits on a busy server while another could serve it now.
+3. Else (every slot busy everywhere) the server with the fewest waiting per slot; a server
+   whose slot holds the conversation but is busy wins a tie (it ends the previous turn).
+A server out of rotation (down, or not pinning slots) gets nothing while another is in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaneView:
+    in_rotation: bool  # answered its last look and pins slots
+    resident_idle: int  # boundaries of the request an idle slot there holds (0: none)
+    resident_busy: int  # the same for a busy slot
+    idle_slots: int
+    waiting: int  # requests waiting there for a slot
+    slots: int
+    empty_slots: int  # idle slots holding no conversation
+
+
+def choose_lane(views: Sequence[LaneView]) -> int:
+    """The index of the server for a keyed request (views in the lanes' order)."""
+    candidates = [i for i, v in enumerate(views) if v.in_rotation] or list(range(len(views)))
+    resident = max(candidates, key=lambda i: views[i].resident_idle)
+    if views[resident].resident_idle > 0:
+        return resident
+    idle = [i for i in candidates if views[i].idle_slots > 0]
+    if idle:
+        return min(
+            idle,
+            key=lambda i: (views[i].waiting, -views[i].empty_slots, -views[i].idle_slots, i),
+        )
+    return min(
+        candidates,
+        key=lambda i: (
+            views[i].waiting / max(1, views[i].slots),
+            -views[i].resident_busy,
+            i,
+        ),
+    )
+
+
+def least_loaded(views: Sequence[LaneView]) -> int:
+    """The server for a request the cache does not key (no conversation to follow)."""
+    candidates = [i for i, v in enumerate(views) if v.in_rotation] or list(range(len(views)))
+    return min(
+        candidates,
+        key=lambda i: (
+            views[i].waiting / max(1, views[i].slots),
+            -views[i].empty_slots,
+            -views[i].idle_slots,
+            i,
+        ),
+    )

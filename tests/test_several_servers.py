@@ -1,0 +1,174 @@
+"""Several llama-servers behind one kvproxy (fake servers sharing one cache dir): requests
+follow their conversation's state, new ones spread out, a dead server costs nothing but what
+it had not saved, and a returning one is distrusted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvproxy.config import Settings
+from kvproxy.edge.app import RUNNER_OPTIONS, build_app
+from kvproxy.server.managed import free_port
+
+from .conftest import RunningProxy
+from .fakeserver import FakeLlamaServer
+from .test_cache import chat, conv, then
+
+
+async def start_several(urls: list[str], cache_dir: Path, **overrides: Any) -> RunningProxy:
+    settings = Settings(
+        upstream=urls,
+        cache_dir=cache_dir,
+        port=free_port(),
+        **{"min_tokens": 0, "idle_save_after": 3600, **overrides},
+    )
+    app = build_app(settings, settings.upstream_urls)
+    runner = web.AppRunner(app, **RUNNER_OPTIONS)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", settings.port).start()
+    running = RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
+    await running.cache.started()
+    return running
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[list[FakeLlamaServer], RunningProxy]]:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    fakes = [FakeLlamaServer(slot_save_path=cache) for _ in range(2)]
+    for fake in fakes:
+        await fake.start()
+    proxy = await start_several([f.url for f in fakes], cache)
+    try:
+        yield fakes, proxy
+    finally:
+        await proxy.stop()
+        for fake in fakes:
+            await fake.stop()
+
+
+def chats_on(fake: FakeLlamaServer) -> int:
+    return sum(1 for r in fake.requests if r[1].startswith("/v1/chat/completions"))
+
+
+async def test_the_env_var_and_repeated_flag_name_several_servers() -> None:
+    env = Settings(upstream="http://127.0.0.1:1, http://127.0.0.1:2/")
+    assert env.upstream_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    flags = Settings(upstream=["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    assert flags.upstream_url == "http://127.0.0.1:1" and len(flags.upstream_urls) == 2
+
+
+async def test_a_conversation_stays_where_its_state_is_and_new_ones_spread(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    fakes, proxy = pair
+    first = conv(1)
+    status, body, headers = await chat(proxy, first)
+    assert status == 200 and headers["X-KVProxy-Cache"] == "miss"
+    home = next(f for f in fakes if chats_on(f) == 1)
+    # A second conversation goes to the other server: both have an empty slot, the other two.
+    status, _, _ = await chat(proxy, conv(2))
+    assert status == 200
+    assert [chats_on(f) for f in fakes] == [1, 1]
+    # Turn 2 of the first goes back to where it is resident.
+    status, body2, headers2 = await chat(proxy, then(first, body))
+    assert status == 200 and headers2["X-KVProxy-Cache"] == "resident"
+    assert chats_on(home) >= 2
+    assert body2["timings"]["cache_n"] > 0
+    stats = proxy.stats()
+    assert {b["name"] for b in stats["backends"]} == {f.url.split("//")[1] for f in fakes}
+    assert len(stats["slots"]) == 4
+
+
+async def test_concurrent_conversations_use_both_servers(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    fakes, proxy = pair
+    for fake in fakes:
+        fake.token_delay = 0.02  # replies long enough to overlap
+    results = await asyncio.gather(*(chat(proxy, conv(n), max_tokens=20) for n in range(4)))
+    assert all(status == 200 for status, _, _ in results)
+    # Four at once through 2 × 2 slots: none waited, each server took two.
+    assert [chats_on(f) for f in fakes] == [2, 2]
+
+
+async def test_a_dead_server_costs_only_what_it_had_not_saved(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    fakes, proxy = pair
+    first = conv(1)
+    _, body, _ = await chat(proxy, first)
+    home = next(f for f in fakes if chats_on(f) == 1)
+    other = next(f for f in fakes if f is not home)
+    # Saved (as an idle save or an eviction would), then its server dies.
+    lane = next(lane for lane in proxy.cache.lanes if lane.backend.upstream.base_url == home.url)
+    slot = next(s for s in lane.pool.slots if s.holding is not None)
+    got, _ = await lane.pool.acquire(wanted=slot.id)
+    try:
+        await lane.work.verify(got)
+        await lane.work.save(got)
+    finally:
+        lane.pool.release(got)
+    await home.stop()
+    # The next turn goes to the other server, restored there from the shared cache dir.
+    status, body2, headers = await chat(proxy, then(first, body))
+    assert status == 200, body2
+    assert headers["X-KVProxy-Cache"] == "restored"
+    assert chats_on(other) == 1
+    assert body2["timings"]["cache_n"] > 0
+    # New conversations keep being served.
+    status, _, _ = await chat(proxy, conv(3))
+    assert status == 200
+    backends = {b["name"]: b for b in proxy.stats()["backends"]}
+    assert backends[home.url.split("//")[1]]["down"] is not None
+
+
+async def test_a_server_that_returns_rejoins_with_its_slots_distrusted(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    fakes, proxy = pair
+    _, body, _ = await chat(proxy, conv(1))
+    home = next(f for f in fakes if chats_on(f) == 1)
+    port = int(home.url.rsplit(":", 1)[1])
+    lane = next(lane for lane in proxy.cache.lanes if lane.backend.upstream.base_url == home.url)
+    await home.stop()
+    # Found down by its health check (every 2 s with several servers).
+    for _ in range(100):
+        if not lane.in_rotation:
+            break
+        await asyncio.sleep(0.1)
+    assert not lane.in_rotation
+    restarted = FakeLlamaServer(slot_save_path=home.save_dir)
+    await restarted.start(port)
+    try:
+        for _ in range(100):
+            if lane.in_rotation:
+                break
+            await asyncio.sleep(0.1)
+        assert lane.in_rotation
+        assert all(slot.holding is None for slot in lane.pool.slots)
+    finally:
+        await restarted.stop()
+
+
+async def test_pass_through_routes_go_to_a_server_in_rotation(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    fakes, proxy = pair
+    await fakes[0].stop()
+    async with aiohttp.ClientSession() as s:
+        # Until its check finds it down, a pass-through may still pick it: wait for that.
+        lane = proxy.cache.lanes[0]
+        for _ in range(100):
+            if not lane.in_rotation:
+                break
+            await asyncio.sleep(0.1)
+        async with s.post(proxy.url + "/tokenize", json={"content": "hello"}) as r:
+            assert r.status == 200
