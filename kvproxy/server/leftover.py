@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,22 @@ def running(pid: int) -> Running | None:
 
 
 def record(root: Path, pid: int, command: list[str]) -> None:
-    dirfiles.write(root, dirfiles.SERVER, Started(pid, os.getpid(), tuple(command)).to_json())
+    record_many(root, [(pid, command)])
+
+
+def record_many(root: Path, processes: Sequence[tuple[int, Sequence[str]]]) -> None:
+    """What managed mode runs now (`--servers N`: several), replacing the last record."""
+    owner = os.getpid()
+    started = [Started(pid, owner, tuple(command)).to_json() for pid, command in processes]
+    dirfiles.write(root, dirfiles.SERVER, started[0] if len(started) == 1 else {"servers": started})
+
+
+def recorded(data: Any) -> list[Started]:
+    """The processes a record names: one (the single-server form) or several."""
+    items = data.get("servers") if isinstance(data, dict) and "servers" in data else [data]
+    if not isinstance(items, list):
+        return []
+    return [s for s in map(Started.from_json, items) if s is not None]
 
 
 def forget(root: Path) -> None:
@@ -93,27 +109,32 @@ def forget(root: Path) -> None:
 
 
 def stop_leftover(root: Path, grace: float = STOP_GRACE_S) -> int | None:
-    """Stops the server a killed kvproxy left running on this cache dir; its pid, or None if
-    there was none. Blocks up to `grace` seconds and a little: call it off the event loop."""
-    started = Started.from_json(dirfiles.read(root, dirfiles.SERVER))
-    if started is None:
+    """Stops the servers a killed kvproxy left running on this cache dir; the pid of one it
+    stopped, or None if there was none. Blocks up to `grace` seconds a server and a little:
+    call it off the event loop."""
+    everything = recorded(dirfiles.read(root, dirfiles.SERVER))
+    if not everything:
         return None
-    now = running(started.pid)
-    if not is_leftover(started, now):
-        if now is None:
-            forget(root)
-        return None
-    log.warning(
-        "stopping llama-server pid %d: a kvproxy that was killed left it running on %s",
-        started.pid,
-        root,
-    )
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if _ended(started.pid, sig, grace):
-            forget(root)
-            return started.pid
-    log.warning("llama-server pid %d is still there after SIGKILL", started.pid)
-    return None
+    stopped: int | None = None
+    still_ours = False
+    for started in everything:
+        now = running(started.pid)
+        if not is_leftover(started, now):
+            still_ours |= now is not None  # another kvproxy's, still running: keep the record
+            continue
+        log.warning(
+            "stopping llama-server pid %d: a kvproxy that was killed left it running on %s",
+            started.pid,
+            root,
+        )
+        if any(_ended(started.pid, sig, grace) for sig in (signal.SIGTERM, signal.SIGKILL)):
+            stopped = started.pid
+        else:
+            still_ours = True
+            log.warning("llama-server pid %d is still there after SIGKILL", started.pid)
+    if not still_ours:
+        forget(root)
+    return stopped
 
 
 def _ended(pid: int, sig: signal.Signals, grace: float) -> bool:

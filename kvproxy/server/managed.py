@@ -147,6 +147,7 @@ class ManagedServer:
         api_key: str | None = None,
         log_path: Path | None = None,
         quirks: Quirks | None = None,
+        tag: str = "",
     ) -> None:
         self.command = list(command)  # what runs: the given command plus learned flags
         self.port = port
@@ -156,11 +157,14 @@ class ManagedServer:
         # the `llama-server` logger.
         self.log_path = log_path
         self.quirks = quirks or Quirks(quirks_path())
+        # With several servers, each relayed line starts with the server's tag (its port).
+        self.prefix = f"[{tag}] " if tag else ""
         self.process: asyncio.subprocess.Process | None = None
         self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
         self.cpu_flags: frozenset[str] = frozenset()
         self._reader: asyncio.Task[None] | None = None
         self._holding = False  # the server's lines are held back while a terminal waits
+        self.start_timeout = 600.0  # the last start's; a restart (fleet.py) waits as long
 
     async def start(self, timeout: float, waiting: Waiting | None = None) -> None:
         """Start the server and wait until it is healthy. `waiting` (a terminal's progress
@@ -168,6 +172,7 @@ class ManagedServer:
         is logged; meanwhile the server's own lines are held back (logged at debug; a start
         that fails shows its last ones)."""
         self._holding = waiting is not None
+        self.start_timeout = timeout
         try:
             await self._start(timeout, waiting)
         finally:
@@ -221,7 +226,8 @@ class ManagedServer:
         async for raw in self.process.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             self.last_lines.append(line)
-            server_log.log(logging.DEBUG if self._holding else logging.INFO, "%s", line)
+            level = logging.DEBUG if self._holding else logging.INFO
+            server_log.log(level, "%s%s", self.prefix, line)
 
     async def _wait_healthy(self, timeout: float, waiting: Waiting | None = None) -> Exit | None:
         """None once /health answers 200; how the process ended if it died first."""

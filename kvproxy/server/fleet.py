@@ -1,0 +1,120 @@
+"""The llama-servers managed mode runs (`--servers N`, one by default): one model, a port
+each, one cache dir. A server that dies is started again on its port after a back-off, while
+kvproxy keeps serving with the others (or answers 502 meanwhile, with one); what it had not
+saved is lost, as with any crash. A server that keeps dying at start is given up on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvproxy.server import leftover
+from kvproxy.server.managed import ManagedServer, ServerError, Waiting
+
+log = logging.getLogger("kvproxy.managed")
+
+# A server that ran this long before it died starts again after the first delay.
+HEALTHY_RUN_S = 60.0
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Seconds to wait before the next start, by failures in a row: 1, 2, 4 … `most`.
+    After `give_up` starts in a row that fail, the server is not started again."""
+
+    first: float = 1.0
+    most: float = 30.0
+    give_up: int = 5
+
+    def delay(self, failures: int) -> float:
+        return float(min(self.most, self.first * 2 ** max(0, failures - 1)))
+
+
+class Fleet:
+    def __init__(
+        self,
+        servers: Sequence[ManagedServer],
+        cache_dir: Path,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.servers = list(servers)
+        self.cache_dir = cache_dir
+        self.backoff = backoff or Backoff()
+        self.restarts = 0  # starts after a death, over the fleet's life
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    async def start(
+        self, timeout: float, waiting: Callable[[int], Waiting | None] | None = None
+    ) -> None:
+        """Start every server, one after another (the first learns what flags this CPU needs
+        for the rest), and write them down for a kvproxy started after a SIGKILL of this one."""
+        try:
+            for i, server in enumerate(self.servers):
+                await server.start(timeout, waiting(i) if waiting is not None else None)
+                await self._record()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def supervise(self) -> ServerError:
+        """Runs while the servers do, starting again any that dies; returns (the reason to
+        exit) only when a server cannot be started any more."""
+        watches = [asyncio.create_task(self._watch(server)) for server in self.servers]
+        try:
+            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+            return next(iter(done)).result()
+        finally:
+            for task in watches:
+                task.cancel()
+            for task in watches:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _watch(self, server: ManagedServer) -> ServerError:
+        failures = 0
+        while True:
+            began = time.monotonic()
+            await server.wait()
+            if time.monotonic() - began >= HEALTHY_RUN_S:
+                failures = 0
+            failures += 1
+            if failures > self.backoff.give_up:
+                return ServerError(
+                    f"llama-server on port {server.port} died {failures - 1} times in a row; "
+                    f"not starting it again. {server.death_message()}"
+                )
+            delay = self.backoff.delay(failures)
+            log.error(
+                "%s\nstarting it again in %.0f s (what it had not saved is lost)",
+                server.death_message(),
+                delay,
+            )
+            await asyncio.sleep(delay)
+            try:
+                await server.start(server.start_timeout)
+            except ServerError as exc:
+                log.error("llama-server on port %d did not start: %s", server.port, exc)
+                continue
+            self.restarts += 1
+            await self._record()
+
+    async def _record(self) -> None:
+        running = [
+            (s.process.pid, s.command)
+            for s in self.servers
+            if s.process is not None and s.process.returncode is None
+        ]
+        await asyncio.to_thread(leftover.record_many, self.cache_dir, running)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        await asyncio.gather(*(server.stop(grace) for server in self.servers))
+        await asyncio.to_thread(leftover.forget, self.cache_dir)
