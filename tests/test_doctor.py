@@ -138,3 +138,39 @@ async def test_one_slot_and_an_open_cache_dir_warn(cache_dir: Path) -> None:
     assert checks["slots"].status == "warn" and "-np 2" in checks["slots"].fix
     assert checks["cache dir"].status == "warn" and "chmod 700" in checks["cache dir"].fix
     assert checks["restore reuse"].status == "ok"
+
+
+# --- several servers
+
+
+async def test_every_server_is_checked_and_whether_they_serve_the_same_model(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    other_dir = tmp_path / "elsewhere"  # a server whose --slot-save-path is not kvproxy's
+    other_dir.mkdir(mode=0o700)
+    fakes = [
+        FakeLlamaServer(slot_save_path=cache),
+        FakeLlamaServer(slot_save_path=cache),
+        FakeLlamaServer(slot_save_path=other_dir, model_path="/models/other.gguf"),
+    ]
+    for fake in fakes:
+        await fake.start()
+    try:
+        urls = [f.url for f in fakes]
+        same = by_name(await diagnose(Settings(upstream=urls[:2], cache_dir=cache), quick=True))
+        names = [u.split("//")[1] for u in urls]
+        for name in names[:2]:
+            assert same[f"server [{name}]"].status == "ok"
+            assert same[f"slot save path [{name}]"].status == "ok"
+        assert same["same model"].status == "ok"
+
+        mixed = by_name(await diagnose(Settings(upstream=urls, cache_dir=cache), quick=True))
+        # The third writes its states where kvproxy does not read: it fails there.
+        assert mixed[f"slot save path [{names[2]}]"].status == "fail"
+        assert mixed["same model"].status == "warn"
+        assert "other.gguf" in mixed["same model"].detail
+    finally:
+        for fake in fakes:
+            await fake.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ from kvproxy.config import Settings
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient
-from kvproxy.server.modelinfo import ModelInfo, read_model_info
+from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -247,15 +246,3 @@ class Backend:
         probe = SLOT_PICKING_ROUTES.get(path)
         if probe is not None:
             self._refusals[probe] = (False, time.monotonic())
-
-
-def model_identity(props: dict[str, Any]) -> str:
-    """Which model and KV layout produced a state: states of another never match."""
-    path = str(props.get("model_path", ""))
-    parts = [path, str((props.get("default_generation_settings") or {}).get("n_ctx", ""))]
-    try:
-        st = os.stat(path)
-        parts += [str(st.st_size), str(int(st.st_mtime))]
-    except OSError:
-        pass
-    return "|".join(parts)

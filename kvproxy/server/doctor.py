@@ -15,14 +15,14 @@ import os
 import secrets
 import shutil
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, SlotInfo
-from kvproxy.server.modelinfo import ModelInfo, read_model_info
+from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -337,12 +337,50 @@ def render(checks: list[Check]) -> str:
 
 
 async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:
-    url = settings.upstream_url
-    if not url:
+    """Every check on every server (`--upstream` given several times: each one's checks are
+    named with its address, and one more says whether they can serve each other's
+    conversations)."""
+    urls = settings.upstream_urls
+    if not urls:
         return [Check("server", "fail", "no llama-server given", "pass --upstream URL")]
+    doctors = [await _examine(settings, url, quick) for url in urls]
+    if len(doctors) == 1:
+        return doctors[0].checks
+    checks = [
+        replace(c, name=f"{c.name} [{url.split('://', 1)[-1]}]")
+        for url, doctor in zip(urls, doctors, strict=True)
+        for c in doctor.checks
+    ]
+    return [*checks, same_model(urls, [d.props for d in doctors])]
+
+
+async def _examine(settings: Settings, url: str, quick: bool) -> Doctor:
     upstream = Upstream(url, settings.api_key)
     await upstream.start()
     try:
-        return await Doctor(settings, upstream, quick).run()
+        doctor = Doctor(settings, upstream, quick)
+        await doctor.run()
+        return doctor
     finally:
         await upstream.close()
+
+
+def same_model(urls: list[str], props: list[dict[str, Any]]) -> Check:
+    """Servers restore each other's conversations only with the same model identity (the
+    model file, its size and time, the context per slot): else each keeps its own."""
+    identities = [model_identity(p) if p else "" for p in props]
+    if all(identities) and len(set(identities)) == 1:
+        return Check(
+            "same model", "ok", f"all {len(urls)} servers serve the same model and context"
+        )
+    differ = ", ".join(
+        f"{url.split('://', 1)[-1]}: {ident.split('|', 1)[0] or 'unknown'}"
+        for url, ident in zip(urls, identities, strict=True)
+    )
+    return Check(
+        "same model",
+        "warn",
+        f"the servers differ in model or context per slot ({differ}): a conversation "
+        "saved on one is not restored on another",
+        "start every server with the same model file, --ctx-size and --parallel",
+    )

@@ -21,6 +21,7 @@ small reader of its own: `gguf.GGUFReader` also decodes every vocabulary entry a
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,3 +236,17 @@ def read_model_info(path: str | Path) -> ModelInfo:
         is_hybrid=hybrid,
         model_class=model_class,
     )
+
+
+def model_identity(props: dict[str, Any]) -> str:
+    """Which model and KV layout produced a state (from the server's GET /props): states of
+    another never match. Servers on several hosts share it when they load the same file at
+    the same path (same size and time) with the same context per slot."""
+    path = str(props.get("model_path", ""))
+    parts = [path, str((props.get("default_generation_settings") or {}).get("n_ctx", ""))]
+    try:
+        st = os.stat(path)
+        parts += [str(st.st_size), str(int(st.st_mtime))]
+    except OSError:
+        pass
+    return "|".join(parts)
