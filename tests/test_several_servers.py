@@ -172,3 +172,22 @@ async def test_pass_through_routes_go_to_a_server_in_rotation(
             await asyncio.sleep(0.1)
         async with s.post(proxy.url + "/tokenize", json={"content": "hello"}) as r:
             assert r.status == 200
+
+
+async def test_a_server_that_dies_before_answering_is_replaced_by_another(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    fakes, proxy = pair
+    fakes[0].prompt_delay = 2.0  # the first choice is still prefilling when it dies
+    request = asyncio.create_task(chat(proxy, conv(1)))
+    for _ in range(200):
+        if chats_on(fakes[0]):
+            break
+        await asyncio.sleep(0.01)
+    assert chats_on(fakes[0]) == 1
+    await fakes[0].stop()
+    status, body, headers = await request
+    # Not a byte had reached the client: the request went to the other server instead.
+    assert status == 200, body
+    assert chats_on(fakes[1]) == 1
+    assert body["choices"][0]["message"]["content"]

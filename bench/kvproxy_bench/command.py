@@ -1,6 +1,6 @@
-"""`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents and canonical
-(not in `all`). The flags are defined in kvproxy/cli/bench.py (parsing them imports nothing
-from here); `run` gets them.
+"""`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical
+and servers (not in `all`). The flags are defined in kvproxy/cli/bench.py (parsing them
+imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import shlex
 import shutil
 import signal
@@ -130,6 +131,20 @@ async def _run(args: argparse.Namespace) -> int:
                     kopts.sizes = _sizes(args)
                 res = await canonical.run_canonical(env, kopts)
                 text = canonical.markdown(res)
+            elif name == "servers":
+                from kvproxy_bench import servers
+
+                sopts = servers.ServersOptions(
+                    **_given(args, "conversations", "turns", "clients", "slots", "prompt_tokens")
+                )
+                if args.servers:
+                    sopts.servers = tuple(int(n) for n in args.servers.split(","))
+                sopts.direct = not args.no_direct
+                if args.threads is None:
+                    # Each server its share of the cores, as servers with a GPU each.
+                    env.threads = max(1, (os.cpu_count() or 2) // max(sopts.servers))
+                res = await servers.run_servers(env, sopts)
+                text = servers.markdown(res)
             elif name == "agents":
                 aopts = agents.options(_given(args, "max_output", "ctx_per_slot"), args.clients)
                 aopts.install = args.install

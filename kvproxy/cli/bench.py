@@ -79,6 +79,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ctx-size", type=int, dest="ctx_per_slot", help="context per slot")
     p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
 
+    p = scenarios.add_parser(
+        "servers", help="the same work through kvproxy with 1 and N llama-servers, one killed"
+    )
+    _common(p)
+    p.add_argument("--servers", help="comma-separated server counts to compare (default 1,2)")
+    p.add_argument("--conversations", type=int)
+    p.add_argument("--turns", type=int, help="the last one follows a SIGKILL of a server")
+    p.add_argument("--clients", type=int, help="clients sending at once")
+    p.add_argument("--slots", type=int, help="slots per server")
+    p.add_argument("--prompt-tokens", type=int, help="system prompt")
+    p.add_argument("--no-direct", action="store_true", help="leave out llama-server alone")
+
     p = scenarios.add_parser("canonical", help="a save's canonical-prefix step, by size")
     _common(p)
     p.add_argument("--sizes", default=None, help="comma-separated sizes (1024,4096,8192)")
