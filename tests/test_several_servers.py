@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvproxy.cli.stats import render_stats
 from kvproxy.config import Settings
 from kvproxy.edge.app import RUNNER_OPTIONS, build_app
 from kvproxy.server.managed import free_port
@@ -83,8 +84,20 @@ async def test_a_conversation_stays_where_its_state_is_and_new_ones_spread(
     assert chats_on(home) >= 2
     assert body2["timings"]["cache_n"] > 0
     stats = proxy.stats()
-    assert {b["name"] for b in stats["backends"]} == {f.url.split("//")[1] for f in fakes}
+    names = {f.url.split("//")[1] for f in fakes}
+    assert {b["name"] for b in stats["backends"]} == names
     assert len(stats["slots"]) == 4
+    # `kvproxy stats` names each server and the server of each slot.
+    shown = render_stats(stats, proxy.url)
+    for name in names:
+        assert f"server       {name}  in rotation" in shown
+        assert f"  {name} 0  " in shown
+    # So do the metrics.
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics") as r:
+        text = await r.text()
+    for name in names:
+        assert f'kvproxy_backend_up{{backend="{name}"}} 1.0' in text
+    assert 'kvproxy_backend_requests_total{backend="' in text
 
 
 async def test_concurrent_conversations_use_both_servers(

@@ -108,13 +108,19 @@ def render_stats(s: dict[str, Any], url: str) -> str:
         ],
     ]
     lines = [f"{name:<13}{text}" for name, text in rows]
+    backends = s.get("backends") or []
+    several = len(backends) > 1
+    for backend in backends if several else []:
+        state = "down: " + str(backend["down"]) if backend.get("down") else "in rotation"
+        lines.append(f"server       {backend.get('name')}  {state}")
     lines.append("slots")
     for slot in s.get("slots") or []:
         key = slot.get("key")
         held = f"{key[:12]}  {slot.get('n_tokens', 0):,} tokens" if key else "empty"
         state = "busy" if slot.get("busy") else "idle"
         saved = "  saved" if key and slot.get("saved") else ("  unsaved" if key else "")
-        lines.append(f"  {slot.get('id')}  {state:<5} {held}{saved}")
+        where = f"{slot.get('backend')} " if several else ""
+        lines.append(f"  {where}{slot.get('id')}  {state:<5} {held}{saved}")
     return "\n".join(lines)
 
 
