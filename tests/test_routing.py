@@ -36,16 +36,22 @@ def test_a_new_conversation_goes_where_a_slot_is_idle_and_fewest_wait() -> None:
     assert choose_lane([lane(idle=1), lane(idle=2)]) == 1
 
 
-def test_no_request_waits_on_a_busy_server_holding_it_while_another_is_idle() -> None:
-    # The conversation's slot is busy (another request of it, or a save): the idle server
-    # restores it from disk now rather than queueing behind.
-    views = [lane(resident_busy=4, idle=0, waiting=1), lane(idle=2)]
+def test_no_request_waits_on_a_busy_server_when_its_state_is_on_disk() -> None:
+    # The conversation's slot is busy but what it holds is saved: the idle server restores it
+    # from disk now rather than queueing behind (resident_busy counts unsaved holders only).
+    views = [lane(resident_busy=0, idle=0, waiting=1), lane(idle=2)]
     assert choose_lane(views) == 1
 
 
-def test_with_every_slot_busy_the_least_queued_per_slot_and_then_the_holder() -> None:
+def test_an_unsaved_conversation_waits_for_its_busy_slot() -> None:
+    # An agent's next turn while its last reply's bookkeeping runs: only that slot holds it.
+    assert choose_lane([lane(idle=2, empty=2), lane(resident_busy=3, idle=1)]) == 1
+    # Held idle somewhere is better still.
+    assert choose_lane([lane(resident_idle=2), lane(resident_busy=3, idle=1)]) == 0
+
+
+def test_with_every_slot_busy_the_least_queued_per_slot() -> None:
     assert choose_lane([lane(idle=0, waiting=3), lane(idle=0, waiting=1)]) == 1
-    assert choose_lane([lane(idle=0, waiting=1), lane(idle=0, waiting=1, resident_busy=2)]) == 1
     assert choose_lane([lane(idle=0, waiting=4, slots=4), lane(idle=0, waiting=3, slots=2)]) == 0
 
 
@@ -97,4 +103,5 @@ def test_an_idle_slot_anywhere_in_rotation_means_no_wait(views: list[LaneView]) 
     chosen = choose_lane(views)
     usable = [v for v in views if v.in_rotation] or views
     if any(v.idle_slots > 0 for v in usable):
-        assert views[chosen].idle_slots > 0 or views[chosen].resident_idle > 0
+        held = views[chosen].resident_idle > 0 or views[chosen].resident_busy > 0
+        assert views[chosen].idle_slots > 0 or held

@@ -117,10 +117,10 @@ def _view(lane: Lane, conv: Conversation | None) -> LaneView:
     if conv is not None:
         for slot in pool.slots:
             depth = slot.shared_depth(conv.keys, conv.namespace)
-            if slot.busy:
-                busy_depth = max(busy_depth, depth)
-            else:
+            if not slot.busy:
                 idle_depth = max(idle_depth, depth)
+            elif not slot.saved:
+                busy_depth = max(busy_depth, depth)
     return LaneView(
         in_rotation=lane.in_rotation,
         resident_idle=idle_depth,

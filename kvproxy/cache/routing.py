@@ -3,12 +3,14 @@
 The rule, in order:
 1. A server that holds the conversation in an idle slot (the longest prefix of it, of the
    request's namespace) gets it: nothing to restore, nothing to prefill.
-2. Else a server with an idle slot, the one with the fewest requests waiting, then the most
+2. Else a server whose busy slot holds it unsaved (an agent's next turn sent while its last
+   reply's bookkeeping still runs): nowhere else could serve it without prefilling it all
+   again, so it waits for that slot (as one server's pool does).
+3. Else a server with an idle slot, the one with the fewest requests waiting, then the most
    empty slots (nothing resident is pushed out while a slot holds nothing), then the most
    idle ones: the state comes back from disk there (every server restores from the shared
    cache dir), so no request waits on a busy server while another could serve it now.
-3. Else (every slot busy everywhere) the server with the fewest waiting per slot; a server
-   whose slot holds the conversation but is busy wins a tie (it ends the previous turn).
+4. Else (every slot busy everywhere) the server with the fewest waiting per slot.
 A server out of rotation (down, or not pinning slots) gets nothing while another is in it.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 class LaneView:
     in_rotation: bool  # answered its last look and pins slots
     resident_idle: int  # boundaries of the request an idle slot there holds (0: none)
-    resident_busy: int  # the same for a busy slot
+    resident_busy: int  # the same for a busy slot whose conversation is not on disk
     idle_slots: int
     waiting: int  # requests waiting there for a slot
     slots: int
@@ -35,20 +37,16 @@ def choose_lane(views: Sequence[LaneView]) -> int:
     resident = max(candidates, key=lambda i: views[i].resident_idle)
     if views[resident].resident_idle > 0:
         return resident
+    held = max(candidates, key=lambda i: views[i].resident_busy)
+    if views[held].resident_busy > 0:
+        return held
     idle = [i for i in candidates if views[i].idle_slots > 0]
     if idle:
         return min(
             idle,
             key=lambda i: (views[i].waiting, -views[i].empty_slots, -views[i].idle_slots, i),
         )
-    return min(
-        candidates,
-        key=lambda i: (
-            views[i].waiting / max(1, views[i].slots),
-            -views[i].resident_busy,
-            i,
-        ),
-    )
+    return min(candidates, key=lambda i: (views[i].waiting / max(1, views[i].slots), i))
 
 
 def least_loaded(views: Sequence[LaneView]) -> int:
