@@ -79,6 +79,10 @@ async def _run(args: argparse.Namespace) -> int:
     env = await asyncio.to_thread(
         BenchEnv.create, workdir, args.model, args.server_bin, args.threads, args.server_args
     )
+    if args.scenario == "servers" and args.threads is None:
+        # Each server its share of the cores, as servers with a GPU each would have.
+        most = max(int(n) for n in (args.servers or "1,2").split(","))
+        env.threads = max(1, (os.cpu_count() or 2) // most)
     argv = ["kvproxy", *args.argv]
     head = await asyncio.to_thread(header, env, argv[1:])
     head["command"] = shlex.join(argv)
@@ -140,9 +144,6 @@ async def _run(args: argparse.Namespace) -> int:
                 if args.servers:
                     sopts.servers = tuple(int(n) for n in args.servers.split(","))
                 sopts.direct = not args.no_direct
-                if args.threads is None:
-                    # Each server its share of the cores, as servers with a GPU each.
-                    env.threads = max(1, (os.cpu_count() or 2) // max(sopts.servers))
                 res = await servers.run_servers(env, sopts)
                 text = servers.markdown(res)
             elif name == "agents":
