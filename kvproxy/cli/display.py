@@ -45,30 +45,40 @@ def human_age(seconds: float) -> str:
 
 
 class Progress:
-    """Progress of a long operation on stderr: a line every 10% (in place on a terminal)."""
+    """A long operation's progress on a terminal: one line rewritten in place
+    (`evicting 5,000/10,000 (50%)`), cleared when it ends. Nothing when stderr is not a
+    terminal (a log, a pipe) or for fewer than PROGRESS_MIN steps: the result line says it."""
 
     def __init__(self, what: str, total: int, out: TextIO | None = None) -> None:
-        self.what, self.total, self.done = what, total, 0
         self.out = out or sys.stderr
-        self.shown = total >= PROGRESS_MIN
         self.tty = self.out.isatty()
-        self._next = 0
+        self.what, self.total, self.done = what, total, 0
+        self._shown = -1  # the percentage on the line now
 
     def __enter__(self) -> Progress:
         return self
 
     def step(self) -> None:
-        self.done += 1
-        if self.shown and (self.done >= self._next or self.done == self.total):
-            pct = 100 * self.done // self.total
-            end = "\r" if self.tty and self.done < self.total else "\n"
-            print(f"{self.what} {self.done}/{self.total} ({pct}%)", end=end, file=self.out)
+        self.report(self.what, self.done + 1, self.total)
+
+    def report(self, what: str, done: int, total: int) -> None:
+        """`done` of `total` (a phase of its own when `what` changes)."""
+        if what != self.what:
+            self.what, self._shown = what, -1
+        self.done, self.total = done, total
+        if not self.tty or total < PROGRESS_MIN:
+            return
+        pct = 100 * done // total
+        if pct != self._shown:
+            self.out.write(f"\r\x1b[K{what} {done:,}/{total:,} ({pct}%)")
             self.out.flush()
-            self._next = self.done + max(1, self.total // 10)
+            self._shown = pct
 
     def __exit__(self, *exc: object) -> None:
-        if self.shown and self.done and self.done < self.total:
-            print(file=self.out)  # leave the terminal on a fresh line after an error
+        if self._shown >= 0:  # the result (or the error) follows on a clean line
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self._shown = -1
 
 
 class Ticker:

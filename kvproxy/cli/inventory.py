@@ -264,7 +264,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _open(settings: Settings, quiet: bool = False) -> tuple[Store | None, int]:
     store = Store(settings.cache_dir, settings.ttl, int(settings.max_disk))
     try:
-        store.open_readonly()
+        with Progress("opening", 0) as progress:  # an old cache dir's import, once
+            store.open_readonly(progress.report)
     except FileNotFoundError:
         return None, _fail(f"no cache dir at {settings.cache_dir} (set --cache-dir)")
     except (OSError, sqlite3.Error) as exc:

@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ SIDECAR_SUFFIXES = (".ckpt",)
 # kept (misses against that entry just go unexplained).
 MAX_IDX_BYTES = 1 << 20
 MAX_MSGS_BYTES = 16 << 20
+Steps = Callable[[str, int, int], None]  # a long open's progress: (what, done, total)
 
 
 @dataclass
@@ -96,7 +97,7 @@ class StoreFiles:
         with contextlib.suppress(OSError):
             os.chmod(self.root, 0o700)
 
-    def scan(self, known: Collection[str], sweep: bool) -> Scanned:
+    def scan(self, known: Collection[str], sweep: bool, progress: Steps | None = None) -> Scanned:
         """One pass over the cache dir at start-up: read the `.idx` records of keys the index
         does not know (checking their files), and note indexed keys whose state file is gone.
         With `sweep`, also delete what no row or record covers: temp files, files of keys
@@ -112,12 +113,17 @@ class StoreFiles:
                     _unlink(self.root / name)
             elif is_key(key):
                 by_key.setdefault(key, []).append(name[len(key) :])
+        todo = sum(1 for k, s in by_key.items() if IDX_SUFFIX in s and k not in known)
+        read = 0
         for key, suffixes in by_key.items():
             if IDX_SUFFIX in suffixes:
                 out.records.append(key)
             if key in known:
                 continue
             entry = self._import(key, suffixes, out.problems) if IDX_SUFFIX in suffixes else None
+            if IDX_SUFFIX in suffixes and progress is not None:
+                read += 1
+                progress("reading old records", read, todo)
             if entry is not None:
                 out.imported.append(entry)
             elif sweep:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kvproxy.store.db import IndexDB
-from kvproxy.store.files import Scanned, StoreFiles
+from kvproxy.store.files import Scanned, Steps, StoreFiles
 
 log = logging.getLogger("kvproxy.store")
 
@@ -27,18 +27,24 @@ IMPORT_BATCH = 5000  # `.idx` records imported per transaction
 IMPORT_CACHE_KIB = 128 * 1024
 
 
-def open_index(db: IndexDB, files: StoreFiles, sweep: bool) -> list[tuple[str, str]]:
+def open_index(
+    db: IndexDB, files: StoreFiles, sweep: bool, progress: Steps | None = None
+) -> list[tuple[str, str]]:
     """Import old records, drop rows whose state file is gone, and (with `sweep`) delete what
     no row covers. Returns the (key, reason) of records that could not be imported."""
     files.create()
     if not sweep and db.get_meta("opened") is not None:
         return []  # imported before: rows are the truth, no scan for the CLI
-    scanned: Scanned = files.scan(db.all_keys(), sweep)
+    scanned: Scanned = files.scan(db.all_keys(), sweep, progress)
     if scanned.imported:
+        n = len(scanned.imported)
+        log.info("importing %d entries from the .idx records of an older kvproxy (once)", n)
         with db.cache_size(IMPORT_CACHE_KIB):
-            for i in range(0, len(scanned.imported), IMPORT_BATCH):
+            for i in range(0, n, IMPORT_BATCH):
                 db.insert_many(scanned.imported[i : i + IMPORT_BATCH])
-        log.info("imported %d entries from .idx records", len(scanned.imported))
+                if progress is not None:
+                    progress("importing old entries", min(i + IMPORT_BATCH, n), n)
+        log.info("imported %d entries from .idx records", n)
     # The rows are committed: the records they came from go (see drop_records).
     good = {e.key for e in scanned.imported}
     if sweep:

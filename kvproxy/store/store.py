@@ -35,7 +35,7 @@ from typing import TypeVar
 from kvproxy.keys import is_key
 from kvproxy.store.db import IndexDB
 from kvproxy.store.entry import Entry
-from kvproxy.store.files import StoreFiles
+from kvproxy.store.files import Steps, StoreFiles
 from kvproxy.store.listing import Listing, Totals
 from kvproxy.store.perkey import PerKey
 from kvproxy.store.schema import DB_NAME
@@ -317,20 +317,23 @@ class Store:
         problems = self._open_in(db, sweep=True)
         return problems, db.totals()
 
-    def open_readonly(self) -> list[tuple[str, str]]:
+    def open_readonly(self, progress: Steps | None = None) -> list[tuple[str, str]]:
         """Open the index without sweeping, for `kvproxy ls|rm|gc` while a proxy may be
         using the directory (a sweep could delete its save in flight). Old `.idx` records are
-        imported (rows only add what they describe). Returns the (key, reason) of records
-        that could not be imported; FileNotFoundError when there is no cache dir."""
+        imported (rows only add what they describe; `progress` hears how far). Returns the
+        (key, reason) of records that could not be imported; FileNotFoundError when there is
+        no cache dir."""
         if not self.root.is_dir():
             raise FileNotFoundError(f"no cache dir at {self.root}")
-        self.problems = self._sync(partial(self._open_in, sweep=False))
+        self.problems = self._sync(partial(self._open_in, sweep=False, progress=progress))
         self.ready = True
         return self.problems
 
-    def _open_in(self, db: IndexDB, sweep: bool) -> list[tuple[str, str]]:
-        """The open's work (`kvproxy.store.opening`), on the thread that owns `db`."""
-        return open_index(db, self.files, sweep)
+    def _open_in(
+        self, db: IndexDB, sweep: bool, progress: Steps | None = None
+    ) -> list[tuple[str, str]]:
+        """The open's work (`kvproxy.store.startup`), on the thread that owns `db`."""
+        return open_index(db, self.files, sweep, progress)
 
     def commit(self, entry: Entry, temp: str) -> Entry:
         if not (self.root / temp).exists():
