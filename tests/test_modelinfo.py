@@ -13,7 +13,7 @@ import gguf
 import pytest
 
 from kvproxy.server.managed import resolve_model
-from kvproxy.server.modelinfo import ModelInfo, read_gguf_metadata, read_model_info
+from kvproxy.server.modelinfo import ModelInfo, model_identity, read_gguf_metadata, read_model_info
 
 from .conftest import RealServer, start_real_server
 from .ggufmodels import model_files
@@ -204,3 +204,11 @@ def test_real_server_runs_generated_model(
     assert 0 < reply["usage"]["completion_tokens"] <= 8
     # the ChatML template rendered and tokenised: BOS, control tokens and text
     assert reply["timings"]["prompt_n"] + reply["timings"]["cache_n"] > 20
+
+
+def test_servers_reporting_other_weight_types_at_one_path_have_other_identities() -> None:
+    base = {"model_path": "/nowhere/model.gguf", "default_generation_settings": {"n_ctx": 4096}}
+    q4 = model_identity({**base, "model_ftype": "Q4_K - Medium"})
+    q8 = model_identity({**base, "model_ftype": "Q8_0"})
+    assert q4 != q8 and q4 == model_identity({**base, "model_ftype": "Q4_K - Medium"})
+    assert model_identity(base) != model_identity({**base, "default_generation_settings": {}})

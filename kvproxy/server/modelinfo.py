@@ -241,7 +241,10 @@ def read_model_info(path: str | Path) -> ModelInfo:
 def model_identity(props: dict[str, Any]) -> str:
     """Which model and KV layout produced a state (from the server's GET /props): states of
     another never match. Servers on several hosts share it when they load the same file at
-    the same path (same size and time) with the same context per slot."""
+    the same path (same size and time) with the same context per slot. The weights' type
+    the server reports (`model_ftype`) is part of it too: a server on another host may load a
+    different quantisation at the same path, which kvproxy cannot stat, and its KV states
+    have the same shape (restoring one would give wrong answers, not an error)."""
     path = str(props.get("model_path", ""))
     parts = [path, str((props.get("default_generation_settings") or {}).get("n_ctx", ""))]
     try:
@@ -249,4 +252,7 @@ def model_identity(props: dict[str, Any]) -> str:
         parts += [str(st.st_size), str(int(st.st_mtime))]
     except OSError:
         pass
+    ftype = props.get("model_ftype")
+    if ftype:
+        parts.append(f"ftype={ftype}")
     return "|".join(parts)
