@@ -70,6 +70,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--clients", type=int)
     p.add_argument("--tenants", type=int, help="API keys")
     p.add_argument("--conversations", type=int)
+    p.add_argument("--slow-clients", type=int, help="slowloris connections through the run")
+    p.add_argument("--latency-requests", type=int, help="per phase: without, with slow clients")
+    p.add_argument(
+        "--full-disk", action="store_true", default=None, help="fill the cache disk mid-run (root)"
+    )
+    p.add_argument("--disk-mib", type=int, help="the cache dir's tmpfs for --full-disk")
+    p.add_argument("--full-for", type=int, help="requests the disk stays full")
+    p.add_argument("--timing-pairs", type=int, help="cross-tenant timing probes at the end")
 
     p = scenarios.add_parser("agents", help="the real agents' turns: kvproxy vs the server alone")
     _common(p)
