@@ -233,7 +233,25 @@ class SidecarProxy(ProxyArm):
     async def start(self) -> None:
         await self.proc.start(self.command(self.rig.proxy_port))
         self.url = f"http://127.0.0.1:{self.rig.proxy_port}"
-        await self._wait_ready()
+        await self.ready()
+
+    async def ready(self) -> None:
+        """Serving with its cache on; while the disk is full, serving at all: a kvproxy
+        started then cannot open its cache dir until the disk has room (it keeps trying), and
+        passes requests through meanwhile."""
+        deadline = time.monotonic() + self.env.start_timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while time.monotonic() < deadline:
+                if self.proc.exited is not None:
+                    raise RuntimeError(f"kvproxy exited with {self.proc.exited}")
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    async with session.get(self.url + "/kvproxy/stats") as resp:
+                        if resp.status == 200:
+                            enabled = (await resp.json()).get("enabled")
+                            if enabled or self.rig.disk_full:
+                                return
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"kvproxy not ready after {self.env.start_timeout:g}s")
 
 
 class Rig:
@@ -249,6 +267,7 @@ class Rig:
         self.server: ManagedServer | None = None
         self.proxy = SidecarProxy(env, self, opts)
         self.proxy_up = asyncio.Event()  # kvproxy answers
+        self.disk_full = False  # the cache dir's filesystem is full (chaos_disk.py)
         self.all_up = asyncio.Event()  # and so does the server behind it
 
     async def start_server(self) -> None:
@@ -290,7 +309,7 @@ class Rig:
         else:
             await self.kill_server()
             await self.start_server()
-            await self.proxy._wait_ready()
+            await self.proxy.ready()
         self.all_up.set()
 
     async def stop(self) -> None:
@@ -453,6 +472,7 @@ class Chaos:
             with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
                 record.saves_before = int((await self.rig.proxy.stats()).get("saves", 0))
             record.filled_at_s = time.monotonic() - self.started
+            self.rig.disk_full = True
             record.filler_mib = await asyncio.to_thread(disk.fill) / 2**20
             full_since = self.ended
             progress(f"chaos: the cache disk is full ({record.filler_mib:.0f} MiB of filler)")
@@ -464,6 +484,7 @@ class Chaos:
             record.requests_while_full = self.ended - full_since
         finally:
             await asyncio.to_thread(disk.free)
+            self.rig.disk_full = False
             self.freed_at = time.time()
             record.freed_at_s = time.monotonic() - self.started
             self.disk_done = True

@@ -305,12 +305,16 @@ class Store:
         """The proxy's open, on the thread that owns the connection; an unusable index is
         moved aside and an empty one started (startup.set_aside)."""
         try:
-            return self._open_with_totals()
-        except sqlite3.DatabaseError as exc:
-            if not set_aside(self.root / DB_NAME, exc):
-                raise
-            self._close_local()
-            return self._open_with_totals()
+            try:
+                return self._open_with_totals()
+            except sqlite3.DatabaseError as exc:
+                if not set_aside(self.root / DB_NAME, exc):
+                    raise
+                self._close_local()
+                return self._open_with_totals()
+        except Exception:
+            self._close_local()  # a later try starts from a fresh connection
+            raise
 
     def _open_with_totals(self) -> tuple[list[tuple[str, str]], Totals]:
         db = self._conn()
