@@ -65,7 +65,10 @@ from kvproxy_bench.targets import Check
 @dataclass
 class ChaosOptions:
     seed: int = 1
-    requests: int = 80  # at least this many; the run also goes on until every fault is in
+    # Requests answered whole (200), at least; the run also goes on until every fault is in.
+    # Faults are spread over these, so work gets done between two faults however many
+    # requests a fault cuts off.
+    requests: int = 80
     faults: int = 10
     duration: float = 900.0  # hard bound on the workload, seconds
     clients: int = 4
@@ -86,7 +89,7 @@ class ChaosOptions:
     slow_interval: float = 1.0  # seconds between two trickled pieces
     latency_requests: int = 0  # per request kind and phase; 0: no latency phases
     # A full disk (chaos_disk.py): the cache dir on a tmpfs of `disk_mib`, filled once
-    # `requests` × 0.3 requests ended and freed `full_for` requests later.
+    # `requests` × 0.3 requests were answered and freed `full_for` answered requests later.
     full_disk: bool = False
     disk_mib: int = 1024
     full_for: int = 20
@@ -346,6 +349,7 @@ class Chaos:
         self.first_tokens: dict[int, list[int]] = {}
         self.probe_keys = 0
         self.ended = 0
+        self.answered = 0  # requests answered whole (Outcome.OK)
         self.in_flight = 0
         self.progressed = asyncio.Event()
         self.faults_done = False
@@ -375,7 +379,10 @@ class Chaos:
                         w.cancel()
                     await asyncio.gather(*workers, return_exceptions=True)
                 await self._stop_slow_clients()
-                progress(f"chaos: workload done, {self.ended} requests; final turns")
+                progress(
+                    f"chaos: workload done, {self.ended} requests ({self.answered} answered); "
+                    "final turns"
+                )
                 self.result.proxy_stats = await self.rig.proxy.stats()
                 if self.result.disk is not None:
                     self.result.disk.saves_after = await asyncio.to_thread(self._saved_since)
@@ -396,11 +403,11 @@ class Chaos:
     def _finished(self) -> bool:
         over = time.monotonic() - self.started > self.opts.duration
         done = self.faults_done and self.disk_done
-        return over or (done and self.ended >= self.opts.requests)
+        return over or (done and self.answered >= self.opts.requests)
 
-    async def _until(self, ended: int) -> None:
-        """Returns once `ended` requests have ended (or the run is over)."""
-        while self.ended < ended and not self._finished():
+    async def _until(self, answered: int) -> None:
+        """Returns once `answered` requests were answered whole (or the run is over)."""
+        while self.answered < answered and not self._finished():
             self.progressed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.progressed.wait(), 1.0)
@@ -474,14 +481,14 @@ class Chaos:
             record.filled_at_s = time.monotonic() - self.started
             self.rig.disk_full = True
             record.filler_mib = await asyncio.to_thread(disk.fill) / 2**20
-            full_since = self.ended
+            full_since, ended_since = self.answered, self.ended
             progress(f"chaos: the cache disk is full ({record.filler_mib:.0f} MiB of filler)")
             await self._until(full_since + self.opts.full_for)
             with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
                 stats = await self.rig.proxy.stats()
                 record.faults_seen = ", ".join(sorted(stats.get("faults") or {}))
                 record.saves_while_full = int(stats.get("saves", 0)) - record.saves_before
-            record.requests_while_full = self.ended - full_since
+            record.requests_while_full = self.ended - ended_since
         finally:
             await asyncio.to_thread(disk.free)
             self.rig.disk_full = False
@@ -547,6 +554,7 @@ class Chaos:
                 self.result.details.append(f"{kind}: {reply.outcome}: {reply.detail}")
             self.result.tally.add(kind, reply.outcome)
             self.ended += 1
+            self.answered += reply.outcome is Outcome.OK
             self.progressed.set()
             if reply.outcome not in (Outcome.OK, Outcome.HUNG_UP):
                 await self.rig.all_up.wait()  # a fault: go on once it is over

@@ -24,7 +24,7 @@ class DiskRecord:
     filled_at_s: float = 0.0
     freed_at_s: float = 0.0
     filler_mib: float = 0.0
-    requests_while_full: int = 0
+    requests_while_full: int = 0  # ended, answered or not
     saves_before: int = 0  # kvproxy's save counter when the disk filled
     saves_while_full: int = 0
     saves_after: int = 0  # saves committed after it was freed, up to the workload's end

@@ -97,8 +97,8 @@ def fault_plan(rng: random.Random, n: int) -> list[Fault]:
 
 
 def fault_due(index: int, faults: int, requests: int) -> int:
-    """Fault `index` (0-based) comes once this many requests have ended: evenly through the
-    run, none at its very start or end, so every fault lands in the middle of work."""
+    """Fault `index` (0-based) comes once this many requests were answered: evenly through
+    the run, none at its very start or end, so every fault lands in the middle of work."""
     return (index + 1) * requests // (faults + 1)
 
 
