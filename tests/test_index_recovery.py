@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from kvproxy.cache import wiring
-from kvproxy.store import Store
+from kvproxy.store import IndexDB, Store
 from kvproxy.store.schema import DB_NAME
 
 from .conftest import start_proxy
@@ -122,8 +122,8 @@ async def test_a_cache_dir_that_cannot_open_at_start_up_is_tried_again(
         async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
             assert resp.headers["X-KVProxy-Faults"] == wiring.OPENING
         full = False
-        async with asyncio.timeout(30):
-            while not proxy.stats()["cache_open"]:
+        async with asyncio.timeout(30):  # open, and the server found again
+            while not (proxy.stats()["cache_open"] and proxy.stats()["enabled"]):
                 await asyncio.sleep(0.05)
         replies = {}
         for c in (1, 2, 3):
@@ -135,6 +135,35 @@ async def test_a_cache_dir_that_cannot_open_at_start_up_is_tried_again(
             assert "X-KVProxy-Faults" not in resp.headers
         lines = [r.getMessage() for r in caplog.records if wiring.OPENING in r.getMessage()]
         assert len(lines) == 2 and "disk is full" in lines[0] and "recovered" in lines[1], lines
+    finally:
+        await proxy.stop()
+        await fake.stop()
+
+
+async def test_a_full_disk_at_start_up_still_opens_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index's rows are read on a full disk; only the open's bookkeeping cannot be
+    written. So the cache opens at once and slots are pinned and kept apart between tenants
+    (an open that failed would let requests go unpinned, free to reuse another tenant's
+    tokens in a slot)."""
+
+    def set_meta(self: IndexDB, name: str, value: str) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    Store(cache, 3600.0, 0).open()  # an index exists (a new one would need writing)
+    monkeypatch.setattr(IndexDB, "set_meta", set_meta)
+    fake = FakeLlamaServer(slot_save_path=cache)
+    await fake.start()
+    proxy = await start_proxy(fake.url, cache)
+    try:
+        assert proxy.stats()["cache_open"] is True and proxy.stats()["enabled"] is True
+        status, reply, h = await chat(proxy, conv(1))
+        assert status == 200 and h["X-KVProxy-Cache"] == "miss"
+        status, _, h = await chat(proxy, then(conv(1), reply))
+        assert status == 200 and h["X-KVProxy-Cache"] == "resident"
     finally:
         await proxy.stop()
         await fake.stop()
