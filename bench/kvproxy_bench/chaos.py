@@ -65,7 +65,8 @@ from kvproxy_bench.targets import Check
 @dataclass
 class ChaosOptions:
     seed: int = 1
-    # Requests answered whole (200), at least; the run also goes on until every fault is in.
+    # Requests answered whole (200; /metrics scrapes left out), at least; the run also goes
+    # on until every fault is in.
     # Faults are spread over these, so work gets done between two faults however many
     # requests a fault cuts off.
     requests: int = 80
@@ -349,7 +350,7 @@ class Chaos:
         self.first_tokens: dict[int, list[int]] = {}
         self.probe_keys = 0
         self.ended = 0
-        self.answered = 0  # requests answered whole (Outcome.OK)
+        self.answered = 0  # requests answered whole (Outcome.OK), scrapes left out
         self.in_flight = 0
         self.progressed = asyncio.Event()
         self.faults_done = False
@@ -554,7 +555,8 @@ class Chaos:
                 self.result.details.append(f"{kind}: {reply.outcome}: {reply.detail}")
             self.result.tally.add(kind, reply.outcome)
             self.ended += 1
-            self.answered += reply.outcome is Outcome.OK
+            # Scrapes are answered at once whatever else is going on: they are not the work.
+            self.answered += reply.outcome is Outcome.OK and kind is not Kind.METRICS
             self.progressed.set()
             if reply.outcome not in (Outcome.OK, Outcome.HUNG_UP):
                 await self.rig.all_up.wait()  # a fault: go on once it is over
