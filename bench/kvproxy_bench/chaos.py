@@ -272,6 +272,7 @@ class Rig:
         self.proxy = SidecarProxy(env, self, opts)
         self.proxy_up = asyncio.Event()  # kvproxy answers
         self.disk_full = False  # the cache dir's filesystem is full (chaos_disk.py)
+        self.proxy_kills = 0
         self.all_up = asyncio.Event()  # and so does the server behind it
 
     async def start_server(self) -> None:
@@ -307,6 +308,7 @@ class Rig:
         self.all_up.clear()
         if fault is Fault.KILL_PROXY:
             self.proxy_up.clear()
+            self.proxy_kills += 1
             await self.proxy.proc.kill()
             await self.proxy.start()
             self.proxy_up.set()
@@ -483,12 +485,15 @@ class Chaos:
             self.rig.disk_full = True
             record.filler_mib = await asyncio.to_thread(disk.fill) / 2**20
             full_since, ended_since = self.answered, self.ended
+            kills_before = self.rig.proxy_kills
             progress(f"chaos: the cache disk is full ({record.filler_mib:.0f} MiB of filler)")
             await self._until(full_since + self.opts.full_for)
             with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
                 stats = await self.rig.proxy.stats()
                 record.faults_seen = ", ".join(sorted(stats.get("faults") or {}))
-                record.saves_while_full = int(stats.get("saves", 0)) - record.saves_before
+                saves = int(stats.get("saves", 0)) - record.saves_before
+                restarted = self.rig.proxy_kills != kills_before
+                record.saves_while_full = None if restarted else saves
             record.requests_while_full = self.ended - ended_since
         finally:
             await asyncio.to_thread(disk.free)
@@ -930,7 +935,9 @@ def extra_tables(result: ChaosResult) -> list[str]:
                         round(d.filled_at_s, 1),
                         round(d.freed_at_s, 1),
                         d.requests_while_full,
-                        d.saves_while_full,
+                        "— (kvproxy restarted)"
+                        if d.saves_while_full is None
+                        else d.saves_while_full,
                         d.faults_seen or "none",
                         d.saves_after,
                     ]

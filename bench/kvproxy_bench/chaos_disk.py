@@ -26,7 +26,7 @@ class DiskRecord:
     filler_mib: float = 0.0
     requests_while_full: int = 0  # ended, answered or not
     saves_before: int = 0  # kvproxy's save counter when the disk filled
-    saves_while_full: int = 0
+    saves_while_full: int | None = 0  # None: kvproxy restarted meanwhile (its counter too)
     saves_after: int = 0  # saves committed after it was freed, up to the workload's end
     faults_seen: str = ""  # what kvproxy's stats listed as failing while full
 
