@@ -119,6 +119,17 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=0, description="requests that may wait for a slot")
     queue_timeout: Duration = Field(300.0, description="longest wait for a slot before 503")
     max_body: ByteSize = Field(ByteSize(32 * 1024**2), description="largest request body (413)")
+    client_timeout: Duration = Field(
+        60.0,
+        gt=0,
+        description=(
+            "a request's head, then its body, must each arrive within this (else 408 and the "
+            "connection is closed); idle connections close after it too"
+        ),
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="client connections held at once; more are answered 503"
+    )
     shutdown_timeout: Duration = Field(
         30.0,
         gt=0,

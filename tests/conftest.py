@@ -20,7 +20,8 @@ from aiohttp import web
 
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
-from kvproxy.edge.app import RUNNER_OPTIONS, SERVICE, build_app
+from kvproxy.edge.app import SERVICE, build_app
+from kvproxy.edge.listen import listen, runner_options
 from kvproxy.server.managed import (
     ManagedServer,
     find_server_binary,
@@ -65,18 +66,19 @@ Maker = Callable[..., Coroutine[Any, Any, tuple[FakeLlamaServer, "RunningProxy"]
 
 
 async def start_proxy(
-    upstream_url: str, cache_dir: Path, wait: bool = True, **overrides: Any
+    upstream_url: str | list[str], cache_dir: Path, wait: bool = True, **overrides: Any
 ) -> RunningProxy:
+    """kvproxy in-process in front of one server (or several: a list of URLs)."""
     settings = Settings(
         upstream=upstream_url,
         cache_dir=cache_dir,
         port=free_port(),
         **{"min_tokens": 0, "idle_save_after": 3600, **overrides},
     )
-    app = build_app(settings, upstream_url)
-    runner = web.AppRunner(app, **RUNNER_OPTIONS)
+    app = build_app(settings, settings.upstream_urls)
+    runner = web.AppRunner(app, **runner_options(settings))
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", settings.port).start()
+    await listen(runner, settings)
     running = RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
     if wait:  # the port binds first; tests start from an open cache unless they say not to
         await running.cache.started()

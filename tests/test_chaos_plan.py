@@ -21,6 +21,8 @@ from kvproxy_bench.chaos_plan import (
     fault_plan,
     parts_at_a_tie,
 )
+from kvproxy_bench.chaos_slow import SlowEffect
+from kvproxy_bench.chaos_tenants import TimingPair, TimingProbes, renumbered
 from kvproxy_bench.chaos_wire import Stream, answer_of, route_body
 
 from kvproxy.store.entry import Entry
@@ -182,3 +184,44 @@ def test_the_command_fails_when_a_promise_breaks(
     monkeypatch.setattr(chaos, "run_chaos", run_chaos)
     argv = ["bench", "chaos", "--seed", "7", "--faults", "10", "--workdir", str(tmp_path)]
     assert cli.main(argv) == code
+
+
+def test_the_added_faults_break_the_run_when_asked_and_not_shown() -> None:
+    base = (0, 0, 0, 0, 0, 10, 10, 3, 4)
+    assert Verdict(*base, disk_wanted=True).violations() == [
+        "the full disk was asked for and did not run"
+    ]
+    assert Verdict(*base, disk_wanted=True, disk_ran=True).violations() == [
+        "no save committed after the full disk was freed"
+    ]
+    assert Verdict(*base, disk_wanted=True, disk_ran=True, disk_resumed=True).violations() == []
+    assert Verdict(*base, timing_wanted=True).violations() == ["no cross-tenant timing pair ran"]
+    told = Verdict(*base, timing_wanted=True, timing_pairs=4, timing_differing=1)
+    assert told.violations() == ["1 cross-tenant pairs told apart by headers or cache_n"]
+
+
+def test_slow_clients_effect_is_the_ratio_of_medians() -> None:
+    effect = SlowEffect(
+        without={"chat": [0.1, 0.2, 0.3], "/tokenize": [0.01, 0.01]},
+        with_slow={"chat": [0.2, 0.4, 0.9], "/tokenize": [0.01, 0.03]},
+    )
+    assert effect.ratio("chat") == pytest.approx(2.0)
+    assert effect.ratio("/tokenize") == pytest.approx(2.0)
+    assert effect.worst() == pytest.approx(2.0)
+    assert SlowEffect(without={"chat": [0.1]}).worst() is None
+    assert [r[0] for r in effect.rows()] == ["chat", "/tokenize"]
+
+
+def test_timing_pairs_are_told_apart_only_by_what_a_client_sees() -> None:
+    messages = [
+        {"role": "system", "content": "Project 1003: facts."},
+        {"role": "user", "content": "What of project 1003?"},
+    ]
+    control = renumbered(messages, 1003, 9001)
+    assert [m["content"] for m in control] == ["Project 9001: facts.", "What of project 9001?"]
+    seen = {"X-KVProxy-Cache": "miss", "cache_n": "0"}
+    same = TimingPair(1003, 0.5, 0.4, seen, dict(seen))
+    other = TimingPair(1003, 0.1, 0.4, {**seen, "X-KVProxy-Cache": "resident"}, seen)
+    assert not same.differ and other.differ
+    probes = TimingProbes([same, other])
+    assert probes.differing() == 1 and probes.p50("control") == pytest.approx(0.4)

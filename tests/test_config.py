@@ -109,8 +109,8 @@ async def test_serve_listens_on_each_address_of_host(tmp_path: Path) -> None:
     import aiohttp
     from aiohttp import web
 
-    from kvproxy.cli import listen
     from kvproxy.edge.app import build_app
+    from kvproxy.edge.listen import listen
     from kvproxy.server.managed import free_port
 
     settings = Settings(host="127.0.0.1,::1", port=free_port(), cache_dir=tmp_path / "c")

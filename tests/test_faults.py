@@ -6,10 +6,12 @@ import asyncio
 import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -189,3 +191,44 @@ async def test_many_clients_on_two_slots(make: Maker, max_queue: int, expect_503
     assert fake.deferred_tasks == 0  # every completion was pinned to a slot the proxy held
     await settle(proxy)
     assert proxy.cache.pool.waiting == 0 and not any(s.busy for s in proxy.cache.pool.slots)
+
+
+async def test_an_index_the_full_disk_refuses_never_fails_a_request(
+    make: Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's save fits, then the disk fills before kvproxy writes the index (or
+    drops or evicts an entry): SQLite says 'database or disk is full' on the request's own
+    path. The request is still answered, nothing half-committed is ever restored, and
+    caching resumes once the disk has room."""
+    full = False
+    writes = {name: getattr(IndexDB, name) for name in ("insert", "delete", "evict")}
+
+    def refusing(name: str) -> Any:
+        def write(self: IndexDB, *args: Any, **kwargs: Any) -> Any:
+            if full:
+                raise sqlite3.OperationalError("database or disk is full")
+            return writes[name](self, *args, **kwargs)
+
+        return write
+
+    for name in writes:
+        monkeypatch.setattr(IndexDB, name, refusing(name))
+    fake, proxy = await make()
+    replies = {}
+    for c in (1, 2):
+        _, replies[c], _ = await chat(proxy, conv(c))
+    await settle(proxy)
+    full = True
+    for turn in range(3):  # every request evicts a conversation: a save on its own path
+        for c in (1, 2, 3, 4):
+            messages = then(conv(c), replies[c], f"q{turn}") if c in replies else conv(c)
+            status, replies[c], h = await chat(proxy, messages)
+            assert status == 200, replies[c]
+    await settle(proxy)
+    full = False
+    for c in (1, 2, 3, 4):
+        status, replies[c], _ = await chat(proxy, then(conv(c), replies[c], "again"))
+        assert status == 200
+    await settle(proxy)
+    status, _, h = await chat(proxy, then(conv(1), replies[1], "last"))
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"

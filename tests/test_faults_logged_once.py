@@ -11,6 +11,7 @@ import logging
 import sqlite3
 from typing import Any
 
+import aiohttp
 import pytest
 
 from kvproxy.cache.faults import Faults
@@ -95,6 +96,10 @@ async def test_a_full_disk_under_touch_floods_no_log_and_is_shown(
     assert "\n" not in about[0].getMessage() and not about[0].exc_info
     stats = proxy.stats()
     assert FULL in stats["faults"]["touch_async"]
+    # /health is still the server's answer, and names what fails.
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
+        assert resp.status == 200 and (await resp.json())["status"] == "ok"
+        assert resp.headers["X-KVProxy-Faults"] == "touch_async"
     exposition = proxy.app[SERVICE].metrics.exposition().decode()
     assert 'kvproxy_background_failing{kind="touch_async"} 1.0' in exposition
     assert f'kvproxy_background_errors_total{{kind="touch_async"}} {restored}.0' in (exposition)

@@ -1,15 +1,21 @@
 """A corrupt or unusable index.sqlite3 at start-up is moved aside and an empty index started:
-caching resumes at once, without a restart, and the bad file is kept for a look."""
+caching resumes at once, without a restart, and the bad file is kept for a look. (It is not
+rebuilt from the state files: a state file's row holds its tenant's namespace and key chain,
+which the file alone does not; serving it to anyone would risk a cross-tenant read.) A cache
+dir that cannot be opened at all (a full disk) is tried again until it opens."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-from kvproxy.store import Store
+from kvproxy.cache import wiring
+from kvproxy.store import IndexDB, Store
 from kvproxy.store.schema import DB_NAME
 
 from .conftest import start_proxy
@@ -83,3 +89,81 @@ def test_a_busy_or_read_only_index_is_never_moved(tmp_path: Path) -> None:
         assert _corrupt(exc)
     else:
         raise AssertionError("garbage opened as a database")
+
+
+async def test_a_cache_dir_that_cannot_open_at_start_up_is_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk (or a read-only dir) when kvproxy starts: requests pass through meanwhile,
+    /health names the fault, and once the disk has room the cache opens and caching works,
+    without a restart; the fault is logged when it starts and when it ends, nothing between."""
+    full = True
+    opened = Store.open_async
+
+    async def open_async(self: Store) -> None:
+        if full:
+            raise sqlite3.OperationalError("database or disk is full")
+        await opened(self)
+
+    monkeypatch.setattr(Store, "open_async", open_async)
+    monkeypatch.setattr(wiring, "OPEN_RETRY_S", 0.05)
+    monkeypatch.setattr(wiring, "OPEN_RETRY_MAX_S", 0.1)
+    caplog.set_level(logging.INFO, logger="kvproxy")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    fake = FakeLlamaServer(slot_save_path=cache)
+    await fake.start()
+    proxy = await start_proxy(fake.url, cache)
+    try:
+        await asyncio.sleep(0.3)  # a few tries fail
+        assert proxy.stats()["cache_open"] is False
+        status, _, _ = await chat(proxy, conv(1))
+        assert status == 200  # served, uncached
+        async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
+            assert resp.headers["X-KVProxy-Faults"] == wiring.OPENING
+        full = False
+        async with asyncio.timeout(30):  # open, and the server found again
+            while not (proxy.stats()["cache_open"] and proxy.stats()["enabled"]):
+                await asyncio.sleep(0.05)
+        replies = {}
+        for c in (1, 2, 3):
+            _, replies[c], _ = await chat(proxy, conv(c))
+        await settle(proxy)
+        status, _, h = await chat(proxy, then(conv(1), replies[1]))
+        assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+        async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
+            assert "X-KVProxy-Faults" not in resp.headers
+        lines = [r.getMessage() for r in caplog.records if wiring.OPENING in r.getMessage()]
+        assert len(lines) == 2 and "disk is full" in lines[0] and "recovered" in lines[1], lines
+    finally:
+        await proxy.stop()
+        await fake.stop()
+
+
+async def test_a_full_disk_at_start_up_still_opens_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index's rows are read on a full disk; only the open's bookkeeping cannot be
+    written. So the cache opens at once and slots are pinned and kept apart between tenants
+    (an open that failed would let requests go unpinned, free to reuse another tenant's
+    tokens in a slot)."""
+
+    def set_meta(self: IndexDB, name: str, value: str) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    Store(cache, 3600.0, 0).open()  # an index exists (a new one would need writing)
+    monkeypatch.setattr(IndexDB, "set_meta", set_meta)
+    fake = FakeLlamaServer(slot_save_path=cache)
+    await fake.start()
+    proxy = await start_proxy(fake.url, cache)
+    try:
+        assert proxy.stats()["cache_open"] is True and proxy.stats()["enabled"] is True
+        status, reply, h = await chat(proxy, conv(1))
+        assert status == 200 and h["X-KVProxy-Cache"] == "miss"
+        status, _, h = await chat(proxy, then(conv(1), reply))
+        assert status == 200 and h["X-KVProxy-Cache"] == "resident"
+    finally:
+        await proxy.stop()
+        await fake.stop()

@@ -7,36 +7,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from kvproxy.cli.stats import render_stats
 from kvproxy.config import Settings
-from kvproxy.edge.app import RUNNER_OPTIONS, build_app
-from kvproxy.server.managed import free_port
 
-from .conftest import RunningProxy
+from .conftest import RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
 from .test_cache import chat, conv, then
-
-
-async def start_several(urls: list[str], cache_dir: Path, **overrides: Any) -> RunningProxy:
-    settings = Settings(
-        upstream=urls,
-        cache_dir=cache_dir,
-        port=free_port(),
-        **{"min_tokens": 0, "idle_save_after": 3600, **overrides},
-    )
-    app = build_app(settings, settings.upstream_urls)
-    runner = web.AppRunner(app, **RUNNER_OPTIONS)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", settings.port).start()
-    running = RunningProxy(f"http://127.0.0.1:{settings.port}", runner, app)
-    await running.cache.started()
-    return running
 
 
 @pytest.fixture
@@ -46,7 +26,7 @@ async def pair(tmp_path: Path) -> AsyncIterator[tuple[list[FakeLlamaServer], Run
     fakes = [FakeLlamaServer(slot_save_path=cache) for _ in range(2)]
     for fake in fakes:
         await fake.start()
-    proxy = await start_several([f.url for f in fakes], cache)
+    proxy = await start_proxy([f.url for f in fakes], cache)
     try:
         yield fakes, proxy
     finally:

@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -35,6 +36,7 @@ from kvproxy.keys import shared_prefix
 from kvproxy.server.managed import ManagedServer, free_port, server_command
 from kvproxy_bench.arms import BenchEnv, ProxyArm
 from kvproxy_bench.chaos_audit import Audit, audit
+from kvproxy_bench.chaos_disk import DiskRecord, TinyDisk
 from kvproxy_bench.chaos_plan import (
     BROKEN,
     Fault,
@@ -51,6 +53,8 @@ from kvproxy_bench.chaos_plan import (
     turn_kind,
     wire_of,
 )
+from kvproxy_bench.chaos_slow import SlowEffect, Slowloris, SlowStats
+from kvproxy_bench.chaos_tenants import COLUMNS, TimingPair, TimingProbes, renumbered, visible
 from kvproxy_bench.chaos_wire import Sent, route_body, send
 from kvproxy_bench.client import Client
 from kvproxy_bench.dialogues import first_turn, question
@@ -61,7 +65,11 @@ from kvproxy_bench.targets import Check
 @dataclass
 class ChaosOptions:
     seed: int = 1
-    requests: int = 80  # at least this many; the run also goes on until every fault is in
+    # Requests answered whole (200; /metrics scrapes left out), at least; the run also goes
+    # on until every fault is in.
+    # Faults are spread over these, so work gets done between two faults however many
+    # requests a fault cuts off.
+    requests: int = 80
     faults: int = 10
     duration: float = 900.0  # hard bound on the workload, seconds
     clients: int = 4
@@ -73,7 +81,20 @@ class ChaosOptions:
     max_tokens: int = 8
     max_turns: int = 6
     stuck_after: float = 120.0  # a request with no answer this long is stuck
-    proxy_args: tuple[str, ...] = ("--min-tokens", "64")
+    # A request waiting for a slot gets its 503 (--queue-timeout) well before it would count
+    # as stuck, however many clients queue up.
+    proxy_args: tuple[str, ...] = ("--min-tokens", "64", "--queue-timeout", "60s")
+    # Slow clients (chaos_slow.py): connections trickling heads and bodies all through the
+    # workload; other clients' latency measured first without them, then with them.
+    slow_clients: int = 0
+    slow_interval: float = 1.0  # seconds between two trickled pieces
+    latency_requests: int = 0  # per request kind and phase; 0: no latency phases
+    # A full disk (chaos_disk.py): the cache dir on a tmpfs of `disk_mib`, filled once
+    # `requests` × 0.3 requests were answered and freed `full_for` answered requests later.
+    full_disk: bool = False
+    disk_mib: int = 1024
+    full_for: int = 20
+    timing_pairs: int = 0  # cross-tenant timing probes after the workload (chaos_tenants.py)
 
 
 @dataclass
@@ -139,6 +160,11 @@ class ChaosResult:
     proxy_stats: dict[str, Any] = field(default_factory=dict)
     details: list[str] = field(default_factory=list)  # what the broken requests said
     wall_s: float = 0.0
+    slow: SlowStats | None = None
+    slow_effect: SlowEffect = field(default_factory=SlowEffect)
+    disk: DiskRecord | None = None
+    disk_skipped: str = ""  # why the full disk asked for did not run
+    timing: TimingProbes = field(default_factory=TimingProbes)
 
     def verdict(self) -> Verdict:
         compared = [f for f in self.final if f.proxied is not None and f.direct is not None]
@@ -152,6 +178,12 @@ class ChaosResult:
             faults_wanted=int(self.options["faults"]),
             restored_checked=sum(f.cache_state == "restored" for f in compared),
             probes=len(self.probes),
+            disk_wanted=bool(self.options.get("full_disk")),
+            disk_ran=self.disk is not None and self.disk.filler_mib > 0,
+            disk_resumed=self.disk is not None and self.disk.saves_after > 0,
+            timing_wanted=bool(self.options.get("timing_pairs")),
+            timing_pairs=len(self.timing.pairs),
+            timing_differing=self.timing.differing(),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -165,6 +197,11 @@ class ChaosResult:
             "final": [{**asdict(f), "same": f.same} for f in self.final],
             "audit": asdict(self.audit),
             "proxy_stats": self.proxy_stats,
+            "slow": None if self.slow is None else asdict(self.slow),
+            "slow_effect": asdict(self.slow_effect),
+            "disk": None if self.disk is None else asdict(self.disk),
+            "disk_skipped": self.disk_skipped,
+            "timing": asdict(self.timing),
             "violations": self.verdict().violations(),
             "wall_s": self.wall_s,
         }
@@ -200,22 +237,42 @@ class SidecarProxy(ProxyArm):
     async def start(self) -> None:
         await self.proc.start(self.command(self.rig.proxy_port))
         self.url = f"http://127.0.0.1:{self.rig.proxy_port}"
-        await self._wait_ready()
+        await self.ready()
+
+    async def ready(self) -> None:
+        """Serving with its cache on; while the disk is full, serving at all: a kvproxy
+        started then cannot open its cache dir until the disk has room (it keeps trying), and
+        passes requests through meanwhile."""
+        deadline = time.monotonic() + self.env.start_timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while time.monotonic() < deadline:
+                if self.proc.exited is not None:
+                    raise RuntimeError(f"kvproxy exited with {self.proc.exited}")
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    async with session.get(self.url + "/kvproxy/stats") as resp:
+                        if resp.status == 200:
+                            enabled = (await resp.json()).get("enabled")
+                            if enabled or self.rig.disk_full:
+                                return
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"kvproxy not ready after {self.env.start_timeout:g}s")
 
 
 class Rig:
     """The two processes, each killed and started again on the same port and cache dir."""
 
-    def __init__(self, env: BenchEnv, opts: ChaosOptions) -> None:
+    def __init__(self, env: BenchEnv, opts: ChaosOptions, cache_dir: Path | None = None) -> None:
         self.env = env
         self.opts = opts
-        self.cache_dir = env.new_dir("chaos-cache")
+        self.cache_dir = cache_dir or env.new_dir("chaos-cache")
         self.server_port = free_port()
         self.proxy_port = free_port(avoid=self.server_port)
         self.server_url = f"http://127.0.0.1:{self.server_port}"
         self.server: ManagedServer | None = None
         self.proxy = SidecarProxy(env, self, opts)
         self.proxy_up = asyncio.Event()  # kvproxy answers
+        self.disk_full = False  # the cache dir's filesystem is full (chaos_disk.py)
+        self.proxy_kills = 0
         self.all_up = asyncio.Event()  # and so does the server behind it
 
     async def start_server(self) -> None:
@@ -251,13 +308,14 @@ class Rig:
         self.all_up.clear()
         if fault is Fault.KILL_PROXY:
             self.proxy_up.clear()
+            self.proxy_kills += 1
             await self.proxy.proc.kill()
             await self.proxy.start()
             self.proxy_up.set()
         else:
             await self.kill_server()
             await self.start_server()
-            await self.proxy._wait_ready()
+            await self.proxy.ready()
         self.all_up.set()
 
     async def stop(self) -> None:
@@ -270,8 +328,23 @@ class Chaos:
     def __init__(self, env: BenchEnv, opts: ChaosOptions) -> None:
         self.env = env
         self.opts = opts
-        self.rig = Rig(env, opts)
-        self.result = ChaosResult(options=asdict(opts))
+        self.disk: TinyDisk | None = None
+        cache_dir, skipped = None, ""
+        if opts.full_disk:
+            disk = TinyDisk(env.workdir / "chaos-disk", opts.disk_mib)
+            why = disk.setup()
+            if why is None:
+                self.disk, cache_dir = disk, disk.cache_dir
+                # kvproxy alone keeps the disk well short of full: only the filler fills it.
+                opts.proxy_args = (*opts.proxy_args, "--max-disk", f"{opts.disk_mib // 2}MiB")
+            else:
+                skipped = why
+                progress(f"chaos: no full disk: {why}")
+        self.result = ChaosResult(options=asdict(opts), disk_skipped=skipped)
+        self.rig = Rig(env, opts, cache_dir)
+        self.disk_done = self.disk is None
+        self.freed_at = 0.0  # time.time() the filler went
+        self.slowloris: Slowloris | None = None
         self.convos = [
             Convo(1000 + c, c % opts.tenants, wire_of(c), first_turn(1000 + c, opts.n_facts)[:1])
             for c in range(opts.conversations)
@@ -279,6 +352,7 @@ class Chaos:
         self.first_tokens: dict[int, list[int]] = {}
         self.probe_keys = 0
         self.ended = 0
+        self.answered = 0  # requests answered whole (Outcome.OK), scrapes left out
         self.in_flight = 0
         self.progressed = asyncio.Event()
         self.faults_done = False
@@ -295,7 +369,10 @@ class Chaos:
             try:
                 await self.rig.start()
                 await self._first_tokens()
+                await self._slow_clients()
                 workers = [asyncio.create_task(self._worker(w)) for w in range(self.opts.clients)]
+                if self.disk is not None:
+                    workers.append(asyncio.create_task(self._full_disk(self.disk)))
                 try:
                     await self._inject_faults()
                     self.faults_done = True
@@ -304,31 +381,45 @@ class Chaos:
                     for w in workers:
                         w.cancel()
                     await asyncio.gather(*workers, return_exceptions=True)
-                progress(f"chaos: workload done, {self.ended} requests; final turns")
+                await self._stop_slow_clients()
+                progress(
+                    f"chaos: workload done, {self.ended} requests ({self.answered} answered); "
+                    "final turns"
+                )
                 self.result.proxy_stats = await self.rig.proxy.stats()
+                if self.result.disk is not None:
+                    self.result.disk.saves_after = await asyncio.to_thread(self._saved_since)
+                await self._timing_probes()
                 await self._final_turns()
                 await self.rig.proxy.stop()
                 self.result.audit = await asyncio.to_thread(audit, self.rig.cache_dir)
                 await self._direct_answers()
             finally:
                 self.faults_done = True
+                await self._stop_slow_clients()
                 await self.rig.stop()
+                if self.disk is not None:
+                    await asyncio.to_thread(self.disk.teardown)
         self.result.wall_s = time.monotonic() - self.started
         return self.result
 
     def _finished(self) -> bool:
         over = time.monotonic() - self.started > self.opts.duration
-        return over or (self.faults_done and self.ended >= self.opts.requests)
+        done = self.faults_done and self.disk_done
+        return over or (done and self.answered >= self.opts.requests)
+
+    async def _until(self, answered: int) -> None:
+        """Returns once `answered` requests were answered whole (or the run is over)."""
+        while self.answered < answered and not self._finished():
+            self.progressed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.progressed.wait(), 1.0)
 
     async def _inject_faults(self) -> None:
         rng = random.Random(f"{self.opts.seed}-faults")
         plan = fault_plan(rng, self.opts.faults)
         for i, fault in enumerate(plan):
-            due = fault_due(i, len(plan), self.opts.requests)
-            while self.ended < due and not self._finished():
-                self.progressed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.progressed.wait(), 1.0)
+            await self._until(fault_due(i, len(plan), self.opts.requests))
             if self._finished():
                 return
             await asyncio.sleep(rng.uniform(0.0, 1.5))  # a random moment of what is in flight
@@ -337,6 +428,118 @@ class Chaos:
             await self.rig.inject(fault)
             down = time.monotonic() - self.started - at
             self.result.faults.append(FaultRecord(fault.value, at, down, in_flight))
+
+    async def _slow_clients(self) -> None:
+        """Other clients' latency without slow clients, then with them (they stay on through
+        the workload)."""
+        effect = self.result.slow_effect
+        if self.opts.latency_requests:
+            effect.without = await self._latencies()
+        if not self.opts.slow_clients:
+            return
+        self.slowloris = Slowloris(
+            lambda: ("127.0.0.1", self.rig.proxy_port),
+            self.opts.slow_clients,
+            self.opts.slow_interval,
+            self.rig.proxy_up,
+        )
+        self.slowloris.start()
+        effect.held = await self.slowloris.held(self.opts.slow_clients, 30.0)
+        progress(f"chaos: {effect.held} slow connections open")
+        if self.opts.latency_requests:
+            effect.with_slow = await self._latencies()
+
+    async def _stop_slow_clients(self) -> None:
+        if self.slowloris is not None:
+            await self.slowloris.stop()
+            self.result.slow = self.slowloris.stats
+            self.slowloris = None
+
+    async def _latencies(self) -> dict[str, list[float]]:
+        """One client's requests one after another: a short chat turn (resident after the
+        first) and a /tokenize call (a pass-through route), each timed whole."""
+        messages = first_turn(999, 2)
+        chat_path, chat = route_body(Wire.CHAT, messages, self.opts.max_tokens)
+        tokenize = {"content": str(messages[0]["content"])}
+        out: dict[str, list[float]] = {"chat": [], "/tokenize": []}
+        for _ in range(self.opts.latency_requests):
+            kinds = (("chat", chat_path, chat), ("/tokenize", "/tokenize", tokenize))
+            for kind, path, body in kinds:
+                started = time.monotonic()
+                wire = Wire.CHAT if kind == "chat" else None
+                sent = await self._request(Kind.CHAT, wire, path, body, "chaos-latency")
+                if sent.outcome is Outcome.OK or (wire is None and sent.status == 200):
+                    out[kind].append(time.monotonic() - started)
+        return out
+
+    async def _full_disk(self, disk: TinyDisk) -> None:
+        """Fills the cache dir's filesystem for `full_for` requests, then frees it."""
+        record = self.result.disk = DiskRecord(self.opts.disk_mib)
+        try:
+            await self._until(int(self.opts.requests * 0.3))
+            if time.monotonic() - self.started > self.opts.duration:
+                return
+            with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
+                record.saves_before = int((await self.rig.proxy.stats()).get("saves", 0))
+            record.filled_at_s = time.monotonic() - self.started
+            self.rig.disk_full = True
+            record.filler_mib = await asyncio.to_thread(disk.fill) / 2**20
+            full_since, ended_since = self.answered, self.ended
+            kills_before = self.rig.proxy_kills
+            progress(f"chaos: the cache disk is full ({record.filler_mib:.0f} MiB of filler)")
+            await self._until(full_since + self.opts.full_for)
+            with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
+                stats = await self.rig.proxy.stats()
+                record.faults_seen = ", ".join(sorted(stats.get("faults") or {}))
+                saves = int(stats.get("saves", 0)) - record.saves_before
+                restarted = self.rig.proxy_kills != kills_before
+                record.saves_while_full = None if restarted else saves
+            record.requests_while_full = self.ended - ended_since
+        finally:
+            await asyncio.to_thread(disk.free)
+            self.rig.disk_full = False
+            self.freed_at = time.time()
+            record.freed_at_s = time.monotonic() - self.started
+            self.disk_done = True
+            progress("chaos: the cache disk is free again")
+
+    def _saved_since(self) -> int:
+        """State files written after the disk was freed (kvproxy's counters restart with it)."""
+        root = self.rig.cache_dir
+        return sum(
+            1 for p in root.glob("*.kv") if self.freed_at and p.stat().st_mtime >= self.freed_at
+        )
+
+    async def _timing_probes(self) -> None:
+        """Pairs of requests from new keys: another tenant's conversation byte for byte, and
+        the same with its project renumbered (see chaos_tenants.py)."""
+        answered = [c for c in self.convos if c.turns > 0]
+        for i in range(self.opts.timing_pairs if answered else 0):
+            convo = answered[i % len(answered)]
+            same = convo.next_messages()
+            pair = {"same": same, "control": renumbered(same, convo.id, 9000 + i)}
+            seen: dict[str, tuple[float, dict[str, str]]] = {}
+            for which in ("same", "control") if i % 2 == 0 else ("control", "same"):
+                path, body = route_body(Wire.CHAT, pair[which], self.opts.max_tokens)
+                self.probe_keys += 1
+                started = time.monotonic()
+                sent = await self._request(
+                    Kind.PROBE, Wire.CHAT, path, body, f"chaos-probe-{self.probe_keys}"
+                )
+                if sent.outcome is not Outcome.OK:
+                    break
+                shown = {**visible(sent.headers), "cache_n": str(sent.cache_n)}
+                seen[which] = (time.monotonic() - started, shown)
+            if len(seen) == 2:
+                self.result.timing.pairs.append(
+                    TimingPair(
+                        convo.id,
+                        seen["same"][0],
+                        seen["control"][0],
+                        seen["same"][1],
+                        seen["control"][1],
+                    )
+                )
 
     async def _worker(self, n: int) -> None:
         rng = random.Random(f"{self.opts.seed}-client-{n}")
@@ -357,6 +560,8 @@ class Chaos:
                 self.result.details.append(f"{kind}: {reply.outcome}: {reply.detail}")
             self.result.tally.add(kind, reply.outcome)
             self.ended += 1
+            # Scrapes are answered at once whatever else is going on: they are not the work.
+            self.answered += reply.outcome is Outcome.OK and kind is not Kind.METRICS
             self.progressed.set()
             if reply.outcome not in (Outcome.OK, Outcome.HUNG_UP):
                 await self.rig.all_up.wait()  # a fault: go on once it is over
@@ -567,7 +772,41 @@ def checks(result: ChaosResult) -> list[Check]:
             f"{v.cross_tenant_reads} in {v.probes} probes",
             v.cross_tenant_reads == 0 and v.probes > 0,
         ),
+        *extra_checks(result),
     ]
+
+
+def extra_checks(result: ChaosResult) -> list[Check]:
+    """The checks of the faults a run may add: slow clients, a full disk, timing probes."""
+    v, out = result.verdict(), []
+    worst = result.slow_effect.worst()
+    if worst is not None:
+        out.append(
+            Check(
+                "chaos: other clients' p50 latency under slow clients within 2× of without",
+                f"{worst:.2f}× (the worse of chat and /tokenize)",
+                worst <= 2.0,
+            )
+        )
+    if v.disk_wanted:
+        d = result.disk
+        out.append(
+            Check(
+                "chaos: a full disk mid-run, then freed: caching resumes",
+                result.disk_skipped
+                or f"{0 if d is None else d.saves_after} state files saved after it was freed",
+                v.disk_ran and v.disk_resumed,
+            )
+        )
+    if v.timing_wanted:
+        out.append(
+            Check(
+                "chaos: byte-identical prompts of another tenant look like a fresh one",
+                f"{v.timing_differing} of {v.timing_pairs} pairs told apart by headers/cache_n",
+                v.timing_pairs > 0 and v.timing_differing == 0,
+            )
+        )
+    return out
 
 
 def markdown(result: ChaosResult) -> str:
@@ -642,6 +881,7 @@ def markdown(result: ChaosResult) -> str:
             ],
         )
     )
+    parts += extra_tables(result)
     v = result.verdict()
     st = result.proxy_stats
     parts.append(
@@ -656,3 +896,56 @@ def markdown(result: ChaosResult) -> str:
     if result.details:
         parts.append("\n".join(f"- {d}" for d in result.details[:20]))
     return "\n\n".join(parts)
+
+
+def extra_tables(result: ChaosResult) -> list[str]:
+    parts = []
+    effect = result.slow_effect
+    if effect.without:
+        parts.append(
+            table(
+                [
+                    f"other clients, with {effect.held} slow connections",
+                    "requests (without / with)",
+                    "p50 without (ms)",
+                    "p50 with (ms)",
+                    "with / without",
+                ],
+                effect.rows(),
+            )
+        )
+    if result.slow is not None:
+        parts.append(f"Slow clients through the workload: {result.slow.summary()}.")
+    d = result.disk
+    if d is not None:
+        parts.append(
+            table(
+                [
+                    "full disk",
+                    "filled at (s)",
+                    "freed at (s)",
+                    "requests while full",
+                    "saves while full",
+                    "faults kvproxy showed",
+                    "state files saved after",
+                ],
+                [
+                    [
+                        f"tmpfs {d.size_mib} MiB, {d.filler_mib:.0f} MiB filler",
+                        round(d.filled_at_s, 1),
+                        round(d.freed_at_s, 1),
+                        d.requests_while_full,
+                        "— (kvproxy restarted)"
+                        if d.saves_while_full is None
+                        else d.saves_while_full,
+                        d.faults_seen or "none",
+                        d.saves_after,
+                    ]
+                ],
+            )
+        )
+    elif result.disk_skipped:
+        parts.append(f"Full disk not run: {result.disk_skipped}.")
+    if result.timing.pairs:
+        parts.append(table(COLUMNS, [result.timing.row()]))
+    return parts

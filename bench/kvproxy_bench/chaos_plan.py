@@ -97,8 +97,8 @@ def fault_plan(rng: random.Random, n: int) -> list[Fault]:
 
 
 def fault_due(index: int, faults: int, requests: int) -> int:
-    """Fault `index` (0-based) comes once this many requests have ended: evenly through the
-    run, none at its very start or end, so every fault lands in the middle of work."""
+    """Fault `index` (0-based) comes once this many requests were answered: evenly through
+    the run, none at its very start or end, so every fault lands in the middle of work."""
     return (index + 1) * requests // (faults + 1)
 
 
@@ -204,6 +204,13 @@ class Verdict:
     faults_wanted: int
     restored_checked: int
     probes: int
+    # The faults and probes a run may add (ChaosOptions): asked for, then what they showed.
+    disk_wanted: bool = False
+    disk_ran: bool = False
+    disk_resumed: bool = False  # a save committed after the full disk was freed
+    timing_wanted: bool = False
+    timing_pairs: int = 0
+    timing_differing: int = 0  # pairs a tenant tells apart by X-KVProxy headers or cache_n
 
     def violations(self) -> list[str]:
         out = []
@@ -224,4 +231,14 @@ class Verdict:
             out.append("no conversation was restored at the end: nothing compared")
         if self.probes == 0:
             out.append("no cross-tenant probe ran")
+        if self.disk_wanted and not self.disk_ran:
+            out.append("the full disk was asked for and did not run")
+        if self.disk_ran and not self.disk_resumed:
+            out.append("no save committed after the full disk was freed")
+        if self.timing_wanted and self.timing_pairs == 0:
+            out.append("no cross-tenant timing pair ran")
+        if self.timing_differing:
+            out.append(
+                f"{self.timing_differing} cross-tenant pairs told apart by headers or cache_n"
+            )
         return out

@@ -125,8 +125,12 @@ async def _run(args: argparse.Namespace) -> int:
             elif name == "chaos":
                 from kvproxy_bench import chaos
 
-                flags = ("seed", "requests", "faults", "duration", "clients", "tenants")
-                copts = chaos.ChaosOptions(**_given(args, *flags, "conversations"))
+                flags = (
+                    *("seed", "requests", "faults", "duration", "clients", "tenants"),
+                    *("conversations", "slow_clients", "latency_requests", "full_disk"),
+                    *("disk_mib", "full_for", "timing_pairs"),
+                )
+                copts = chaos.ChaosOptions(**_given(args, *flags))
                 res = await chaos.run_chaos(env, copts)
                 text = chaos.markdown(res)
                 checks += chaos.checks(res)

@@ -5,8 +5,8 @@ failure logged would flood the log (one traceback per request). So every such fa
 reported here under a kind (the operation's name): the first failure of a kind logs one
 warning line, the next success of that kind logs one line that it recovered, and nothing in
 between. `kvproxy_background_failing{kind}` shows the kinds failing now and
-`kvproxy_background_errors_total{kind}` counts every failure; `/kvproxy/stats` lists them.
-(`/health` stays llama-server's own, which has no place for them.)
+`kvproxy_background_errors_total{kind}` counts every failure; `/kvproxy/stats` lists them, and
+`/health` (the server's answer otherwise) names the kinds failing in `X-KVProxy-Faults`.
 """
 
 from __future__ import annotations

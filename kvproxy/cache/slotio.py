@@ -279,6 +279,14 @@ class SlotWork:
         else:
             log.debug(message)
 
+    async def _drop(self, entry: Entry) -> None:
+        """Removes an entry found unusable; on a full disk its row stays (it is checked again,
+        and dropped again, the next time it is found)."""
+        try:
+            await self.store.remove_async(entry)
+        except OSError as exc:
+            self._disk_error(f"dropping cache entry {entry.key[:12]} failed: {exc}")
+
     # --- restoring
 
     async def restore(self, slot: Slot, entry: Entry) -> RestoreOutcome | None:
@@ -288,7 +296,7 @@ class SlotWork:
             problem = await asyncio.to_thread(self.store.files.check_state_file, entry)
             if problem is not None:
                 log.warning("dropping cache entry %s: %s", entry.key[:12], problem)
-                await self.store.remove_async(entry)
+                await self._drop(entry)
                 return None
             started = time.perf_counter()
             # Hashing reads the file while the server reads it too: the check costs no time
@@ -310,7 +318,7 @@ class SlotWork:
                 self.events.slot_action(SlotActionEvent("restore", False, seconds=seconds))
                 if exc.status == 400:
                     log.warning("restore of %s failed, dropping it: %s", entry.key[:12], exc)
-                    await self.store.remove_async(entry)
+                    await self._drop(entry)
                     return None
                 raise
             if damaged is not None:
@@ -319,7 +327,7 @@ class SlotWork:
                 await self.client.erase(slot.id)
                 slot.forget()
                 log.warning("dropping cache entry %s: %s", entry.key[:12], damaged)
-                await self.store.remove_async(entry)
+                await self._drop(entry)
                 return None
             seconds = time.perf_counter() - started
             n = restored.n_restored
@@ -357,7 +365,11 @@ class SlotWork:
     # --- the budget
 
     async def evict(self) -> None:
-        victims = await self.store.select_victims_async()
+        try:
+            victims = await self.store.select_victims_async()
+        except OSError as exc:  # the index cannot be written (a full disk): nothing evicted
+            self._disk_error(f"evicting cache entries failed: {exc}")
+            return
         if victims:
             self.events.count(Count.EVICTION, len(victims))
             log.info("evicting %d cache entries", len(victims))

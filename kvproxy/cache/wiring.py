@@ -44,6 +44,11 @@ from kvproxy.store import Store, dirfiles
 log = logging.getLogger("kvproxy.cache")
 
 HOUSEKEEPING_INTERVAL = 1.0
+# A cache dir that cannot be opened (a full disk, a read-only dir) is tried again after 1 s,
+# then twice as long each time, up to 30 s.
+OPEN_RETRY_S = 1.0
+OPEN_RETRY_MAX_S = 30.0
+OPENING = "opening the cache dir"
 
 
 class ConversationCache:
@@ -177,12 +182,19 @@ class ConversationCache:
 
     async def _open_then_housekeep(self, started: asyncio.Event) -> None:
         began = time.perf_counter()
-        try:
-            await self.store.open_async()
-        except Exception:
-            log.exception("cannot open the cache dir %s: requests pass through", self.store.root)
-            started.set()
-            return
+        retry = OPEN_RETRY_S
+        while True:
+            try:
+                await self.store.open_async()
+                break
+            except Exception as exc:
+                # A full disk or a read-only dir at start-up goes away without a restart:
+                # requests pass through (uncached) meanwhile, the fault logged once (faults.py).
+                self.faults.failed(OPENING, exc)
+                started.set()
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, OPEN_RETRY_MAX_S)
+        self.faults.succeeded(OPENING)
         log.info("cache dir open in %.2f s", time.perf_counter() - began)
         found = await asyncio.to_thread(
             dirfiles.read, self.store.root, dirfiles.HABITS, dirfiles.HABITS_READ_LIMIT

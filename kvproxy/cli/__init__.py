@@ -18,13 +18,10 @@ import queue
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvproxy.cli.flags import add_settings_flags, load_settings
 from kvproxy.config import Settings
-
-if TYPE_CHECKING:
-    from aiohttp import web
 
 log = logging.getLogger("kvproxy")
 LLAMA_LOGGER = "llama-server"  # llama-server's own lines, relayed (managed.py)
@@ -105,19 +102,12 @@ def _stop_quietly(listener: logging.handlers.QueueListener) -> None:
         listener.stop()
 
 
-async def listen(runner: web.BaseRunner, settings: Settings) -> None:
-    """A site on each address of `--host` (a comma list, as llama-server's), one port."""
-    from aiohttp import web
-
-    for host in settings.hosts:
-        await web.TCPSite(runner, host, settings.port).start()
-
-
 async def serve(settings: Settings) -> int:
     from aiohttp import web
 
     from kvproxy.cli.display import Ticker
-    from kvproxy.edge.app import RUNNER_OPTIONS, build_app
+    from kvproxy.edge.app import build_app
+    from kvproxy.edge.listen import listen, runner_options
     from kvproxy.server import leftover
     from kvproxy.server.fleet import Fleet
     from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
@@ -198,7 +188,9 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     app = build_app(settings, upstream_urls)
     # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off.
-    runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=settings.shutdown_timeout / 3)
+    runner = web.AppRunner(
+        app, **runner_options(settings), shutdown_timeout=settings.shutdown_timeout / 3
+    )
     try:
         await runner.setup()
         await listen(runner, settings)

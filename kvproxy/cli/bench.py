@@ -64,12 +64,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = scenarios.add_parser("chaos", help="mixed load, SIGKILLs of kvproxy and the server, audit")
     _common(p)
     p.add_argument("--seed", type=int, help="seeds every random choice")
-    p.add_argument("--requests", type=int, help="at least this many requests")
+    p.add_argument("--requests", type=int, help="at least this many answered requests")
     p.add_argument("--faults", type=int, help="SIGKILLs, of kvproxy and the server in turn")
     p.add_argument("--duration", type=float, help="hard bound on the workload, seconds")
     p.add_argument("--clients", type=int)
     p.add_argument("--tenants", type=int, help="API keys")
     p.add_argument("--conversations", type=int)
+    p.add_argument("--slow-clients", type=int, help="slowloris connections through the run")
+    p.add_argument("--latency-requests", type=int, help="per phase: without, with slow clients")
+    p.add_argument(
+        "--full-disk", action="store_true", default=None, help="fill the cache disk mid-run (root)"
+    )
+    p.add_argument("--disk-mib", type=int, help="the cache dir's tmpfs for --full-disk")
+    p.add_argument("--full-for", type=int, help="answered requests the disk stays full")
+    p.add_argument("--timing-pairs", type=int, help="cross-tenant timing probes at the end")
 
     p = scenarios.add_parser("agents", help="the real agents' turns: kvproxy vs the server alone")
     _common(p)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
 import orjson
-from aiohttp import StreamReader, web
+from aiohttp import web
 
 from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
@@ -224,6 +225,10 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         )
     if request.content_length is not None and request.content_length > service.settings.max_body:
         return _too_large(service.settings)
+    if request.body_exists:
+        late = await read_body(request, service.settings.client_timeout)
+        if late is not None:
+            return late
 
     if path in HEALTH_PATHS and not service.cache.looked:
         # The server answers 503 until it is ready; kvproxy is ready once it has looked for
@@ -233,6 +238,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if path in HEALTH_PATHS:
         for lane in router.lanes:
             await lane.backend.rediscover_if_off(wake=False)
+        return await forward(request, service, _path_qs(path, request), faults_header(service))
     if request.method == "POST":
         adapter = service.keyed.get(path)
         if adapter is not None:
@@ -253,39 +259,46 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     return await forward(request, service, _path_qs(path, request))
 
 
-async def forward(request: web.Request, service: Service, path_qs: str) -> web.StreamResponse:
-    """Plain pass-through: the body streams to the server as it arrives. A body without a
-    Content-Length (chunked) is counted as it passes and cut off beyond --max-body."""
-    limit = service.settings.max_body
-    data: AsyncIterable[bytes] | None = None
-    limited: _Limited | None = None
-    if request.body_exists:
-        data = request.content
-        if request.content_length is None:
-            data = limited = _Limited(request.content, int(limit))
+async def forward(
+    request: web.Request,
+    service: Service,
+    path_qs: str,
+    extra_headers: Mapping[str, str] | None = None,
+) -> web.StreamResponse:
+    """Plain pass-through of a request whose body was read whole (read_body)."""
+    data = await request.read() if request.body_exists else None
     upstream = service.cache.router.pick().backend.upstream
-    result = await relay(request, upstream, path_qs, data, body_replaced=False)
-    if limited is not None and limited.exceeded and not result.response.prepared:
-        return _too_large(service.settings)
+    result = await relay(
+        request, upstream, path_qs, data, body_replaced=True, extra_headers=extra_headers
+    )
     return result.response
 
 
-class _Limited:
-    """A request body streamed on until it passes `limit` bytes; then the upload fails."""
+def faults_header(service: Service) -> dict[str, str]:
+    """`/health` stays the server's answer; while some work of kvproxy's keeps failing (a full
+    disk, a read-only cache dir: cache/faults.py) it also names what, in a header. The errors
+    themselves are in /kvproxy/stats, which off loopback needs the admin token."""
+    failing = service.cache.faults.failing()
+    return {"X-KVProxy-Faults": ", ".join(sorted(failing))} if failing else {}
 
-    def __init__(self, content: StreamReader, limit: int) -> None:
-        self.content = content
-        self.limit = limit
-        self.exceeded = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        seen = 0
-        async for chunk in self.content.iter_any():
-            seen += len(chunk)
-            if seen > self.limit:
-                self.exceeded = True
-                raise web.HTTPRequestEntityTooLarge(max_size=self.limit, actual_size=seen)
-            yield chunk
+async def read_body(request: web.Request, within: float) -> web.Response | None:
+    """Reads the whole body now (aiohttp keeps it for every later `request.read()`), within
+    `within` seconds, else a 408 that closes the connection. Nothing is forwarded before the
+    body is whole: a client trickling one never holds a llama-server HTTP thread. A body past
+    --max-body, chunked too, raises HTTPRequestEntityTooLarge (the guard answers 413)."""
+    try:
+        async with asyncio.timeout(within):
+            await request.read()
+    except TimeoutError:
+        response = error_response(
+            408,
+            f"The request body did not arrive within {within:g} s (--client-timeout).",
+            "request_timeout",
+        )
+        response.force_close()
+        return response
+    return None
 
 
 def _path_qs(path: str, request: web.Request) -> str:
@@ -318,16 +331,6 @@ async def guard(
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(500, "kvproxy internal error; see the proxy's log.", "proxy_error")
-
-
-# How the app is served. `auto_decompress` off: aiohttp would inflate a compressed request
-# body (under its original headers, past --max-body) or refuse one it cannot inflate with a
-# plain-text 400 before dispatch; kvproxy refuses them itself (http/bodies.py refused_encoding).
-RUNNER_OPTIONS: dict[str, Any] = {
-    "handler_cancellation": True,
-    "access_log": None,
-    "auto_decompress": False,
-}
 
 
 def build_app(settings: Settings, upstream_urls: str | Sequence[str]) -> web.Application:

@@ -28,6 +28,10 @@ from kvproxy.store.schema import COLUMNS, FROM, connect, entry_of, pack_chain, p
 from kvproxy.store.schema import DB_NAME as DB_NAME  # where kvproxy's tools look for it
 
 
+class IndexUnwritable(OSError):
+    """The index could not do what was asked (SQLite's operational error, its message kept)."""
+
+
 class IndexDB:
     """One connection to the cache dir's index; use it on the thread that opened it."""
 

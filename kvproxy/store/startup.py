@@ -9,6 +9,7 @@ cache dir was imported they neither scan it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -51,12 +52,17 @@ def open_index(
         files.drop_records(scanned.records)
     else:
         files.drop_records(k for k in scanned.records if k in good)
-    for key in scanned.missing:  # state file gone (an older kvproxy swept it)
-        row = db.delete(key)
-        if row is not None and sweep:
-            files.delete([row])
-    if not scanned.problems:  # else a later open tries (and reports) them again
-        db.set_meta("opened", str(time.time()))
+    # On a full disk the index still opens (its rows are read, not written): what follows is
+    # left for a later open, and the proxy runs as it does when the disk fills later (saves
+    # fail, slots are still pinned and erased between tenants). Failing the open instead would
+    # leave requests unpinned, free to reuse another tenant's tokens in a slot.
+    with contextlib.suppress(sqlite3.OperationalError):
+        for key in scanned.missing:  # state file gone (an older kvproxy swept it)
+            row = db.delete(key)
+            if row is not None and sweep:
+                files.delete([row])
+        if not scanned.problems:  # else a later open tries (and reports) them again
+            db.set_meta("opened", str(time.time()))
     return scanned.problems
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvproxy.keys import is_key
-from kvproxy.store.db import IndexDB
+from kvproxy.store.db import IndexDB, IndexUnwritable
 from kvproxy.store.entry import Entry
 from kvproxy.store.files import Steps, StoreFiles
 from kvproxy.store.listing import Listing, Totals
@@ -94,8 +94,12 @@ class Store:
     async def _db(self, work: Callable[[IndexDB], T], refresh: bool = True) -> T:
         """Run `work` on the index thread; with `refresh` (writes), the summary is refreshed
         with it. Lookups leave it be: it changes only with writes, ours (refreshed then) or
-        another process's (housekeeping's refresh, every second)."""
-        result, totals = await self._thread.run(partial(self._with_totals, work, refresh))
+        another process's (housekeeping's refresh, every second). A full disk or a read-only
+        dir comes out as IndexUnwritable (an OSError), as for any other file."""
+        try:
+            result, totals = await self._thread.run(partial(self._with_totals, work, refresh))
+        except sqlite3.OperationalError as exc:
+            raise IndexUnwritable(str(exc)) from exc
         if totals is not None:
             self.summary = totals
         return result
@@ -307,9 +311,9 @@ class Store:
         try:
             return self._open_with_totals()
         except sqlite3.DatabaseError as exc:
+            self._close_local()  # the next try (here, or the proxy's later one) starts afresh
             if not set_aside(self.root / DB_NAME, exc):
                 raise
-            self._close_local()
             return self._open_with_totals()
 
     def _open_with_totals(self) -> tuple[list[tuple[str, str]], Totals]:
