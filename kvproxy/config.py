@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     models_dir: Path | None = Field(
         None,
         description="a directory of GGUF models: start llama-server as a router serving each "
-        "of them (a request's \"model\" picks one)",
+        'of them (a request\'s "model" picks one)',
     )
     models_max: int | None = Field(
         None,

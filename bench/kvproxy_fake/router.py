@@ -5,7 +5,8 @@ kvproxy relies on are in docs/how-it-works.md, "Router mode"):
 - GET /props without `?model=` is the router's own (`"role": "router"`); GET /models lists
   each model with `status.value` (loaded, loading, unloaded, sleeping) and `status.args`
   (the child's command line, also before its first load), plus the child's `meta` while it
-  runs; /models/sse streams `model_status` events. Neither loads a model.
+  runs; /models/sse streams `model_status` (a child spawned) and `status_change` events.
+  Neither loads a model.
 - Other GETs (/props, /slots, /metrics) go to the child named by `?model=`; POSTs
   (completions, /tokenize, /apply-template, /slots/{id}) to the child named by the body's
   "model". No name: 400 "model name is missing from the request"; an unknown one: 400
@@ -180,7 +181,7 @@ class FakeRouter:
             await child.start()
             model.child, model.status, model.last_used = child, "loaded", time.monotonic()
             model.loads += 1
-            self._notify(name, "model_status", {"status": "loaded"})
+            self._notify(name, "status_change", {"status": "loaded"})
 
     async def unload(self, name: str) -> None:
         async with self._lock:
@@ -192,7 +193,7 @@ class FakeRouter:
         child, model.child, model.status = model.child, None, "unloaded"
         await child.stop()
         self.unloads.append(model.name)
-        self._notify(model.name, "model_status", {"status": "unloaded"})
+        self._notify(model.name, "status_change", {"status": "unloaded", "exit_code": 0})
 
     # ----------------------------------------------------------------- router routes
 

@@ -22,9 +22,7 @@ import orjson
 from kvproxy.http.session import Upstream, UpstreamError
 
 ModelStatus = Literal["loaded", "loading", "unloaded", "sleeping", "downloading", "unknown"]
-STATUSES: frozenset[str] = frozenset(
-    {"loaded", "loading", "unloaded", "sleeping", "downloading"}
-)
+STATUSES: frozenset[str] = frozenset({"loaded", "loading", "unloaded", "sleeping", "downloading"})
 # A child process runs (server_model_meta::is_running): its slots hold what they held, even
 # asleep (then the KV is gone but the process stays; a request wakes it).
 RUNNING: frozenset[str] = frozenset({"loaded", "loading", "sleeping"})
@@ -85,8 +83,8 @@ class RouterModel:
 
     def identity(self) -> str:
         """Which model and KV layout produced a state, in the form a single server's
-        identity takes (the GGUF path, tokens per slot, the file's size and mtime): None
-        of n_ctx until the child has reported it."""
+        identity takes (the GGUF path, tokens per slot, the file's size and mtime); the
+        tokens per slot are known once the child has reported them (while it runs)."""
         return model_identity(self.path, self.n_ctx)
 
     @classmethod
@@ -136,8 +134,9 @@ async def list_models(upstream: Upstream) -> list[RouterModel]:
 
 @dataclass(frozen=True)
 class ModelEvent:
-    """One /models/sse event: `model_status` (with the new `status`), `model_remove`,
-    `download_progress`, or `models_reload` (model "*": the whole list changed)."""
+    """One /models/sse event: `model_status` (a child spawned: `loading`) and
+    `status_change` (each later step) carry the model's new `status`; `model_remove`,
+    `download_progress` and `models_reload` (model "*": the whole list changed) none."""
 
     model: str
     event: str

@@ -30,7 +30,8 @@ async def check_router(doctor: Doctor) -> None:
         )
         raise Stop
     names = ", ".join(m.id for m in models)
-    doctor.add("router", "ok", f"llama-server is a router: {len(models)} models ({names}), {at_once}")
+    detail = f"llama-server is a router: {len(models)} models ({names}), {at_once}"
+    doctor.add("router", "ok", detail)
     await doctor.check_cache_dir()
     for model in models:
         await check_model(doctor, model)
@@ -42,8 +43,7 @@ async def check_model(doctor: Doctor, model: RouterModel) -> None:
         one.add(
             "status",
             "fail",
-            f"its server exited with code {model.exit_code} the last time the router "
-            "started it",
+            f"its server exited with code {model.exit_code} the last time the router started it",
             "see llama-server's log for the model's lines",
         )
     one.props = {"model_path": model.path}
@@ -56,7 +56,7 @@ async def check_model(doctor: Doctor, model: RouterModel) -> None:
             "probes",
             "warn",
             f"{model.status}: slots and probes not checked (the doctor loads no model)",
-            f"send it a request, then rerun to check it too",
+            "send it a request, then rerun to check it too",
         )
     doctor.checks += one.checks
 
