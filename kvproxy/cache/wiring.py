@@ -30,11 +30,12 @@ from kvproxy.cache.habits import Habits
 from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.lane import Lane, make_lane
 from kvproxy.cache.leases import Background
+from kvproxy.cache.models import find_models
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
 from kvproxy.cache.router import Router
 from kvproxy.cache.slotio import SlotWork
-from kvproxy.cache.slots import ANYONE, NOBODY, QueueFull, Slot, SlotPool
+from kvproxy.cache.slots import ANYONE, NOBODY, Slot, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
@@ -59,24 +60,35 @@ class ConversationCache:
         # The one place every part is built: each lane gets a context with its own backend
         # and the parts every lane shares.
         several = len(upstreams) > 1
-        self.lanes = [
-            make_lane(
-                CacheContext(
-                    settings,
-                    Backend(upstream, settings, several),
-                    self.store,
-                    events,
-                    self.habits,
-                    self.guard,
-                    self.background,
-                ),
-            )
-            for upstream in upstreams
-        ]
+        self.lanes = [self._lane(upstream, several) for upstream in upstreams]
         self.router = Router(self.lanes, self.opened)
         self._housekeeper: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
         self._habits_written = 0  # habits.changes when they were last written out
+
+    def _lane(self, upstream: Upstream, several: bool, model: str | None = None) -> Lane:
+        backend = Backend(upstream, self.settings, several, model)
+        ctx = CacheContext(
+            self.settings,
+            backend,
+            self.store,
+            self.events,
+            self.habits,
+            self.guard,
+            self.background,
+        )
+        return make_lane(ctx)
+
+    async def _find_models(self) -> None:
+        """A router-mode server gets a lane per model (models.py) instead of its own."""
+        lanes: list[Lane] = []
+        for lane in self.lanes:
+            upstream = lane.backend.upstream
+            group = await find_models(upstream, partial(self._lane, upstream, True))
+            if group is not None:
+                self.router.models.append(group)
+            lanes += list(group.lanes.values()) if group is not None else [lane]
+        self.lanes[:] = lanes
 
     # --- the first (with one server, the only) lane
 
@@ -190,6 +202,7 @@ class ConversationCache:
         trimmed = self.habits.load(found)
         # A file past the bounds is written back trimmed at the next housekeeping tick.
         self._habits_written = self.habits.changes - int(trimmed)
+        await self._find_models()
         window = self.settings.live_window
         used = await self.store.used_since_async(time.time() - window) if window > 0 else []
         for lane in self.lanes:
@@ -282,7 +295,7 @@ class ConversationCache:
             try:
                 if remaining <= 0:
                     raise TimeoutError
-                await asyncio.wait_for(_save_for_shutdown(lane, slot.id), remaining)
+                await asyncio.wait_for(lane.save_slot(slot.id), remaining)
             except TimeoutError:
                 held = slot.holding
                 lost.append(
@@ -318,6 +331,8 @@ class ConversationCache:
                     await self.notice_removals()
                 else:
                     await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
+                for group in self.router.models if due else []:
+                    await group.look()  # a model unloaded or asleep: its slots forgotten
                 for lane in due:
                     await self._look_again(lane)
                 await self.lane.work.evict()
@@ -348,16 +363,6 @@ class ConversationCache:
         gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
-
-
-async def _save_for_shutdown(lane: Lane, slot_id: int) -> None:
-    with contextlib.suppress(QueueFull, UpstreamError, OSError):
-        got, _ = await lane.pool.acquire(wanted=slot_id)
-        try:
-            await lane.work.verify(got)
-            await lane.work.save(got)
-        finally:
-            lane.pool.release(got)
 
 
 def _backend_state(lane: Lane) -> dict[str, Any]:

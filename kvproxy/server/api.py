@@ -11,6 +11,7 @@ every call then names it as the router routes it (docs/how-it-works.md, "Router 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,9 @@ class LlamaClient:
     def __init__(self, upstream: Upstream, model: ModelRoute | None = None) -> None:
         self.upstream = upstream
         self.model = model
+        # When this client last sent a POST: a router counts a model as used by its POSTs
+        # (its least recently used model is the one it unloads).
+        self.last_post = 0.0
 
     def for_model(self, name: str, autoload: bool = False) -> LlamaClient:
         """The same server's client for one of its router models."""
@@ -106,7 +110,15 @@ class LlamaClient:
     ) -> Any:
         if self.model is not None:
             path, body = self.model.query(path, get=False), self.model.body(body)
+        self.last_post = time.monotonic()
         return await self.upstream.post_json(path, dict(body), timeout)
+
+    async def load(self) -> None:
+        """Make a router load this client's model, and wait until it has: a GET of
+        `/props?model=` that may load (and so may unload another model first)."""
+        assert self.model is not None, "load() is for a router's model"
+        route = ModelRoute(self.model.name, autoload=True)
+        await self.upstream.get_json(route.query("/props", get=True), timeout=None)
 
     async def health(self, timeout: float = 10.0) -> None:
         """The server's (a router's own: it answers whatever its models do)."""

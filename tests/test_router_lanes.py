@@ -1,0 +1,94 @@
+"""kvproxy in front of a router (the fake one, bench/kvproxy_fake/router.py): one lane per
+model, each request to the lane of its body's "model"; before a request makes the router
+unload a model (--models-max), that model's unsaved slots are saved, and its conversations
+come back restored when it does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from kvproxy_fake.router import FakeRouter, fake_models
+
+from kvproxy.cache.models import ModelView, victim
+
+from .conftest import RunningProxy, committed, start_proxy
+from .test_cache import chat, conv, then
+
+
+@pytest.fixture
+async def routed(tmp_path: Path) -> AsyncIterator[tuple[FakeRouter, RunningProxy]]:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    async with FakeRouter(fake_models(["coder", "chat"]), models_max=1, slot_save_path=cache) as r:
+        proxy = await start_proxy(r.url, cache)
+        try:
+            yield r, proxy
+        finally:
+            await proxy.stop()
+
+
+async def settle(proxy: RunningProxy) -> None:
+    for _ in range(1000):
+        lanes = proxy.cache.lanes
+        if not len(proxy.cache.background) and not any(
+            s.busy for lane in lanes for s in lane.pool.slots
+        ):
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_the_router_unloads_its_least_recently_used_idle_model() -> None:
+    views = [
+        ModelView("a", "loaded", busy=False, last_post=5.0),
+        ModelView("b", "sleeping", busy=False, last_post=1.0),
+        ModelView("c", "unloaded", busy=False, last_post=0.0),
+    ]
+    assert victim(views, "c", 2) == "b"  # asleep counts as idle
+    assert victim(views, "c", 3) is None  # room for one more
+    assert victim(views, "a", 1) is None  # already running
+    assert victim(views, "c", 0) is None  # no limit
+    busy = [ModelView("a", "loaded", True, 5.0), ModelView("c", "unloaded", False, 0.0)]
+    assert victim(busy, "c", 1) != "a"  # never a model with a request on its way: wait
+
+
+async def test_each_model_is_a_lane_and_a_swap_loses_no_conversation(
+    routed: tuple[FakeRouter, RunningProxy],
+) -> None:
+    router, proxy = routed
+    assert sorted(lane.name.rsplit("/", 1)[1] for lane in proxy.cache.lanes) == [
+        "chat",
+        "coder",
+    ]
+    status, r1, h1 = await chat(proxy, conv(1), model="coder")
+    assert status == 200 and h1["X-KVProxy-Cache"] == "miss"
+    await settle(proxy)
+    cache = proxy.cache.store.root
+    assert router.models["coder"].loads == 1 and not committed(cache)
+
+    # A request for the other model: the router (--models-max 1) unloads coder for it, and
+    # kvproxy saved coder's conversation first.
+    status, _, h = await chat(proxy, conv(2), model="chat")
+    assert status == 200 and h["X-KVProxy-Cache"] == "miss"
+    assert router.unloads == ["coder"]
+    assert committed(cache), "coder's conversation was not saved before the swap"
+    await settle(proxy)
+
+    status, r2, h2 = await chat(proxy, then(conv(1), r1), model="coder")
+    assert status == 200 and h2["X-KVProxy-Cache"] == "restored", h2
+    assert router.unloads == ["coder", "chat"] and router.models["coder"].loads == 2
+    # Served from the restored state: only the new turn was prefilled.
+    assert r2["timings"]["prompt_n"] <= 100 < r2["timings"]["cache_n"]
+
+
+async def test_a_request_naming_no_model_goes_to_the_router_as_it_is(
+    routed: tuple[FakeRouter, RunningProxy],
+) -> None:
+    router, proxy = routed
+    status, body, _ = await chat(proxy, conv(1))
+    assert status == 400 and "model name is missing" in str(body)
+    status, body, _ = await chat(proxy, conv(1), model="nope")
+    assert status == 400 and "not found" in str(body)
+    assert all(m.loads == 0 for m in router.models.values())
