@@ -44,8 +44,7 @@ class Stop(Exception):
 
 
 class Doctor:
-    """The checks of one server, or (`model`) of one model of a router, whose check names
-    then start with the model's name."""
+    """The checks of one server, or of one `model` of a router (named after it)."""
 
     def __init__(
         self, settings: Settings, upstream: Upstream, quick: bool, model: str | None = None
@@ -62,32 +61,20 @@ class Doctor:
         self.cache_dir = Path(settings.cache_dir)
 
     def add(self, name: str, status: Status, detail: str, fix: str = "") -> None:
-        if self.model_name:
-            name = f"{self.model_name}: {name}"
+        name = f"{self.model_name}: {name}" if self.model_name else name
         self.checks.append(Check(name, status, detail, fix))
 
     async def run(self) -> list[Check]:
         with contextlib.suppress(Stop):
             await self.check_health()
             await self.check_auth()
-            if is_router(self.props):
+            if is_router(self.props):  # its checks build a Doctor per model
                 from kvproxy.server.routerdoctor import check_router
 
-                await check_router(self)
-                return self.checks
+                return await check_router(self)
             await self.check_model()
             await self.check_slots()
             await self.check_cache_dir()
-            await self.check_save_path()
-            await self.probes()
-        return self.checks
-
-    async def run_model(self) -> list[Check]:
-        """The checks of one loaded model of a router (the router's own are done)."""
-        with contextlib.suppress(Stop):
-            self.props = await self.llama.props()
-            await self.check_model()
-            await self.check_slots()
             await self.check_save_path()
             await self.probes()
         return self.checks

@@ -11,7 +11,6 @@ loads a model nor wakes one.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +19,7 @@ import aiohttp
 import orjson
 
 from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.server.modelinfo import model_identity
 
 ModelStatus = Literal["loaded", "loading", "unloaded", "sleeping", "downloading", "unknown"]
 STATUSES: frozenset[str] = frozenset({"loaded", "loading", "unloaded", "sleeping", "downloading"})
@@ -85,7 +85,10 @@ class RouterModel:
         """Which model and KV layout produced a state, in the form a single server's
         identity takes (the GGUF path, tokens per slot, the file's size and mtime); the
         tokens per slot are known once the child has reported them (while it runs)."""
-        return model_identity(self.path, self.n_ctx)
+        n_ctx = "" if self.n_ctx is None else self.n_ctx
+        return model_identity(
+            {"model_path": self.path, "default_generation_settings": {"n_ctx": n_ctx}}
+        )
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> RouterModel:
@@ -106,18 +109,6 @@ class RouterModel:
             n_ctx=_int(meta.get("n_ctx")),
             size=_int(meta.get("size")),
         )
-
-
-def model_identity(path: str, n_ctx: int | None) -> str:
-    """`path|n_ctx|file size|mtime`: the same string kvproxy keys a single server's states by
-    (the file's size and mtime tell a replaced file apart)."""
-    parts = [path, "" if n_ctx is None else str(n_ctx)]
-    try:
-        st = os.stat(path)
-        parts += [str(st.st_size), str(int(st.st_mtime))]
-    except OSError:
-        pass
-    return "|".join(parts)
 
 
 def read_models(raw: Any) -> list[RouterModel]:

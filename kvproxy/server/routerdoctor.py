@@ -6,14 +6,15 @@ a probe save, the probes). The doctor loads no model: that could unload another 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from kvproxy.http.session import UpstreamError
-from kvproxy.server.doctor import Doctor, Stop
+from kvproxy.server.doctor import Check, Doctor, Stop
 from kvproxy.server.router import RouterModel, list_models
 
 
-async def check_router(doctor: Doctor) -> None:
+async def check_router(doctor: Doctor) -> list[Check]:
     try:
         models = await list_models(doctor.upstream)
     except UpstreamError as exc:
@@ -35,6 +36,7 @@ async def check_router(doctor: Doctor) -> None:
     await doctor.check_cache_dir()
     for model in models:
         await check_model(doctor, model)
+    return doctor.checks
 
 
 async def check_model(doctor: Doctor, model: RouterModel) -> None:
@@ -47,10 +49,16 @@ async def check_model(doctor: Doctor, model: RouterModel) -> None:
             "see llama-server's log for the model's lines",
         )
     one.props = {"model_path": model.path}
+    if model.status == "loaded":
+        with contextlib.suppress(UpstreamError):
+            one.props = await one.llama.props()
     await one.check_model()
     check_flags(one, model)
     if model.status == "loaded":
-        await one.run_model()
+        with contextlib.suppress(Stop):
+            await one.check_slots()
+            await one.check_save_path()
+            await one.probes()
     else:
         one.add(
             "probes",
