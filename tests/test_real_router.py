@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -27,6 +28,7 @@ from kvproxy.server.managed import free_port
 from kvproxy.server.router import ModelStatus, is_router, list_models
 
 from .conftest import bundled_model
+from .test_cache import chat, then
 from .test_managed import wait_ready
 
 pytestmark = pytest.mark.real
@@ -63,7 +65,7 @@ def router(
     command = [
         sys.executable, "-m", "kvproxy.cli", "serve", "--models-dir", str(models),
         "--models-max", "1", "--port", str(port), "--cache-dir", str(cache),
-        "--ctx-size", "2048", "--", "--cache-ram", "0", "--threads", str(os.cpu_count() or 2),
+        "--ctx-size", "4096", "--", "--cache-ram", "0", "--threads", str(os.cpu_count() or 2),
     ]  # fmt: skip
     # The router also lists the models of the Hugging Face cache: none here.
     env = {**os.environ, "LLAMA_CACHE": str(root / "hf-cache")}
@@ -137,6 +139,43 @@ def test_the_doctor_checks_each_model(router: Router, capsys: pytest.CaptureFixt
         m["id"]: m["status"]["value"] for m in get_json(router.server_url + "/models")["data"]
     }
     assert statuses == {"gemma": "loaded", "tiny": "unloaded"}  # the doctor loaded nothing
+
+
+def test_a_conversation_comes_back_restored_after_the_router_swapped_its_model(
+    router: Router,
+) -> None:
+    """The issue's case: ≥ 1,500 tokens on A, requests for B make the router (--models-max 1)
+    unload A, and A's next turn is restored with ≥ 99% of what it can reuse from cache."""
+    proxy = SimpleNamespace(url=f"http://127.0.0.1:{router.port}")
+    story = " ".join(f"Line {i}: {FILLER}" for i in range(90))
+    first = [
+        {"role": "system", "content": "You answer in one word. " + story},
+        {"role": "user", "content": "Which animal jumps?"},
+    ]
+
+    async def run() -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, str]]:
+        status, r1, h1 = await chat(proxy, first, model="gemma", max_tokens=8)
+        assert status == 200 and h1["X-KVProxy-Cache"] in ("miss", "restored"), h1
+        for i in range(2):
+            other = [{"role": "user", "content": f"Question {i} for the other model."}]
+            status, _, _ = await chat(proxy, other, model="tiny", max_tokens=4)
+            assert status == 200
+        listed = get_json(router.server_url + "/models")["data"]
+        assert {m["id"]: m["status"]["value"] for m in listed}["gemma"] == "unloaded"
+        status, r2, h2 = await chat(proxy, then(first, r1), model="gemma", max_tokens=8)
+        assert status == 200
+        return r1, h1, r2, h2
+
+    r1, _, r2, h2 = asyncio.run(run())
+    turn1 = r1["timings"]["cache_n"] + r1["timings"]["prompt_n"]
+    assert turn1 >= 1500
+    reusable = turn1 + r1["timings"]["predicted_n"]
+    cache_n = r2["timings"]["cache_n"]
+    print(
+        f"\nturn 1: {turn1} prompt tokens; turn 2 after the swap: {cache_n} of {reusable} from cache"
+    )
+    assert h2["X-KVProxy-Cache"] == "restored", h2
+    assert cache_n >= 0.99 * reusable, (r2["timings"], reusable)
 
 
 def test_clients_reach_each_model_through_kvproxy_and_stop_stops_them(router: Router) -> None:
