@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from kvproxy_fake.router import FakeRouter, fake_models
 
@@ -92,3 +93,46 @@ async def test_a_request_naming_no_model_goes_to_the_router_as_it_is(
     status, body, _ = await chat(proxy, conv(1), model="nope")
     assert status == 400 and "not found" in str(body)
     assert all(m.loads == 0 for m in router.models.values())
+
+
+@pytest.mark.parametrize("route", ["/models/load", "/models/unload"])
+async def test_a_model_management_route_saves_what_it_unloads_first(
+    tmp_path: Path, route: str
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    # Unloading: both models loaded, so the route's model is not the only one in rotation.
+    models_max = 1 if route == "/models/load" else 2
+    models = fake_models(["coder", "chat"])
+    async with FakeRouter(models, models_max=models_max, slot_save_path=cache) as r:
+        proxy = await start_proxy(r.url, cache, allow_model_management=True)
+        try:
+            if route == "/models/unload":
+                assert (await chat(proxy, conv(2), model="coder"))[0] == 200
+            status, r1, _ = await chat(proxy, conv(1), model="chat")
+            assert status == 200
+            await settle(proxy)
+            assert not committed(cache)
+            # Loading coder unloads chat (--models-max 1); unloading chat, too.
+            name = "coder" if route == "/models/load" else "chat"
+            async with aiohttp.ClientSession() as s:
+                async with s.post(proxy.url + route, json={"model": name}) as resp:
+                    assert resp.status == 200, await resp.text()
+            assert r.unloads == ["chat"] and committed(cache)
+            status, _, h2 = await chat(proxy, then(conv(1), r1), model="chat")
+            assert status == 200 and h2["X-KVProxy-Cache"] == "restored", h2
+        finally:
+            await proxy.stop()
+
+
+async def test_a_pinned_completion_goes_to_its_models_lane(
+    routed: tuple[FakeRouter, RunningProxy],
+) -> None:
+    router, proxy = routed
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "chat", "prompt": "Hello there", "n_predict": 4}
+        async with s.post(proxy.url + "/completion", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+    sent = [b for m, p, b in router.child("chat").requests if p.startswith("/completion")]
+    assert sent and sent[-1]["model"] == "chat" and sent[-1]["id_slot"] in (0, 1)
+    assert router.models["coder"].loads == 0

@@ -17,6 +17,7 @@ model unloads it under the request (such a swap waits for it, as the router woul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,13 +144,7 @@ class RouterModels:
                     break
                 # Every other model has a request in flight: the router would wait too.
                 await self._changed.wait()
-            # Each save is a POST, which makes its model the most recently used one: save
-            # until the model the router will unload has nothing unsaved.
-            saved: set[str] = set()
-            while unloads is not None and unloads != WAIT and unloads not in saved:
-                saved.add(unloads)
-                await self.lanes[unloads].save_unsaved()
-                unloads = victim(self.views(), model, self.models_max)
+            await self._save_victims(model, unloads)
             log.info("loading model %s on the router", model)
             try:
                 await lane.backend.client.load()
@@ -158,6 +153,32 @@ class RouterModels:
                 return
             await self.look()
         await lane.backend.rediscover_if_off()
+
+    async def _save_victims(self, model: str, unloads: str | None) -> None:
+        """Save the unsaved slots of the model the router unloads to load `model`. Each save
+        is a POST, which makes its model the most recently used one: saved until the model
+        the router will unload has nothing unsaved."""
+        saved: set[str] = set()
+        while unloads is not None and unloads != WAIT and unloads not in saved:
+            saved.add(unloads)
+            await self.lanes[unloads].save_unsaved()
+            unloads = victim(self.views(), model, self.models_max)
+
+    async def before_management(self, path: str, name: object) -> Lane | None:
+        """Before a client's /models/load or /models/unload (--allow-model-management) of
+        the model `name`: what the router will unload for a load is saved; the lane of the
+        named model is returned (the caller holds its slots, saving them, while the route
+        runs)."""
+        lane = self.lane_for(name)
+        if lane is None or lane.backend.model is None:
+            return None
+        if path == "/models/load":
+            async with self._changed:
+                with contextlib.suppress(UpstreamError):
+                    await self.look()
+                unloads = victim(self.views(), lane.backend.model, self.models_max)
+                await self._save_victims(lane.backend.model, unloads)
+        return lane
 
 
 async def find_models(upstream: Upstream, make_lane: Callable[[str], Lane]) -> RouterModels | None:

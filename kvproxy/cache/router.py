@@ -65,6 +65,17 @@ class Router:
                 return group, lane
         return None
 
+    async def management_lane(self, path: str, body: bytes) -> Lane:
+        """The lane whose slots a model-management route holds (and saves) while it runs:
+        with router models, the named model's, after saving what a load will unload."""
+        parsed = jsonbody.parse(body)
+        name = parsed.value.get("model") if isinstance(parsed.value, dict) else None
+        for group in self.models:
+            lane = await group.before_management(path, name)
+            if lane is not None:
+                return lane
+        return self.pick()
+
     @contextlib.asynccontextmanager
     async def lane_for(self, request: web.Request) -> AsyncIterator[Lane]:
         """The lane for a request the cache does not key but pins: with router models, the

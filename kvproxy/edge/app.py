@@ -249,7 +249,8 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         # Allowed (--allow-model-management): a model the router unloads takes its slots'
         # state with it, so every slot is held and what would be lost is saved first.
         body = await request.read()
-        return await router.pick().unkeyed.hold_all(request, _path_qs(path, request), body)
+        lane = await router.management_lane(path, body)
+        return await lane.unkeyed.hold_all(request, _path_qs(path, request), body)
     return await forward(request, service, _path_qs(path, request))
 
 
