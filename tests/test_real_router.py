@@ -50,22 +50,26 @@ def get_json(url: str) -> Any:
         return json.loads(resp.read())
 
 
-@pytest.fixture(scope="module")
-def router(
-    tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]
-) -> Iterator[Router]:
-    root = tmp_path_factory.mktemp("router")
+def models_dir(root: Path, tiny: Path) -> Path:
+    """The bundled Gemma and a tiny generated llama, as a router names them: gemma, tiny."""
     models = root / "models"
-    models.mkdir()
-    (models / "gemma.gguf").symlink_to(bundled_model())
-    (models / "tiny.gguf").symlink_to(tiny_models["dense"])
+    models.mkdir(exist_ok=True)
+    for name, target in (("gemma", bundled_model()), ("tiny", tiny)):
+        if not (models / f"{name}.gguf").exists():
+            (models / f"{name}.gguf").symlink_to(target)
+    return models
+
+
+def serve_models(root: Path, models: Path, *server_args: str) -> Router:
+    """`kvproxy serve --models-dir` with --models-max 1, ready (its cache dir: root/cache)."""
     cache = root / "cache"
-    log = root / "kvproxy.log"
     port = free_port()
+    log = root / f"kvproxy-{port}.log"
     command = [
         sys.executable, "-m", "kvproxy.cli", "serve", "--models-dir", str(models),
         "--models-max", "1", "--port", str(port), "--cache-dir", str(cache),
         "--ctx-size", "4096", "--", "--cache-ram", "0", "--threads", str(os.cpu_count() or 2),
+        *server_args,
     ]  # fmt: skip
     # The router also lists the models of the Hugging Face cache: none here.
     env = {**os.environ, "LLAMA_CACHE": str(root / "hf-cache")}
@@ -73,11 +77,33 @@ def router(
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         server_url = wait_ready(proc, log, port)
-        yield Router(proc, port, server_url, cache, log)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return Router(proc, port, server_url, cache, log)
+
+
+def stop(router: Router) -> None:
+    if router.proc.poll() is None:
+        router.proc.send_signal(signal.SIGTERM)
+        try:
+            router.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            router.proc.kill()
+            router.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def router(
+    tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]
+) -> Iterator[Router]:
+    root = tmp_path_factory.mktemp("router")
+    running = serve_models(root, models_dir(root, tiny_models["dense"]))
+    try:
+        yield running
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(running)
 
 
 def test_managed_mode_starts_a_router_whose_models_get_what_kvproxy_needs(router: Router) -> None:

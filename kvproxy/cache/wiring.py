@@ -218,7 +218,8 @@ class ConversationCache:
         try:
             await lane.backend.discover()
         except UpstreamError as exc:
-            log.warning(
+            # A router's model not loaded yet answers 400: its first request loads it.
+            (log.info if lane.backend.model else log.warning)(
                 "llama-server %s not ready (%s); will retry in the background", lane.name, exc
             )
 
