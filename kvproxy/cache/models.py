@@ -130,6 +130,14 @@ class RouterModels:
             self._changed.notify_all()
 
     async def _bring_up(self, lane: Lane, model: str) -> None:
+        # A model that runs needs no lock: counted busy already, no swap unloads it now.
+        try:
+            await self.look()
+        except UpstreamError as exc:
+            log.debug("GET /models failed (%s): the request goes as it is", exc)
+            return
+        if self.status.get(model) in RUNNING:
+            return
         async with self._changed:
             while True:
                 try:

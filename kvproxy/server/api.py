@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import orjson
 
-from kvproxy.http.session import POST_TIMEOUT, Upstream, UpstreamError
+from kvproxy.http.session import Upstream, UpstreamError
 
 # A slot save or restore moves a whole KV state through the disk.
 # Saves and restores take as long as the state's bytes need on this disk: no deadline.
@@ -105,13 +105,12 @@ class LlamaClient:
             path = self.model.query(path, get=True)
         return await self.upstream.get_json(path, timeout=timeout)
 
-    async def _post(
-        self, path: str, body: Mapping[str, Any], timeout: float | None = POST_TIMEOUT
-    ) -> Any:
+    async def _post(self, path: str, body: Mapping[str, Any], *timeout: float | None) -> Any:
+        """`timeout`: as given, else the session's default for kvproxy's own POSTs."""
         if self.model is not None:
             path, body = self.model.query(path, get=False), self.model.body(body)
         self.last_post = time.monotonic()
-        return await self.upstream.post_json(path, dict(body), timeout)
+        return await self.upstream.post_json(path, dict(body), *timeout)
 
     async def load(self) -> None:
         """Make a router load this client's model, and wait until it has: a GET of
@@ -172,7 +171,7 @@ class LlamaClient:
         --embeddings) or 404 (no such route). Probed with `{}`, which a route it serves
         refuses (400) before it creates any task, so no slot is touched either way."""
         try:
-            await self._post(path, {}, timeout=30.0)
+            await self._post(path, {}, 30.0)
         except UpstreamError as exc:
             return exc.status in (404, 501)
         return False
@@ -208,7 +207,7 @@ class LlamaClient:
         res = await self._post(
             "/completion",
             {"prompt": tokens, "n_predict": 0, "id_slot": slot_id, "cache_prompt": True},
-            timeout=None,
+            None,
         )
         timings = res.get("timings") if isinstance(res, dict) else None
         return timings if isinstance(timings, dict) else {}
