@@ -120,7 +120,7 @@ async def test_models_read_into_records(router: FakeRouter, upstream: Upstream) 
     assert chat.path == "/models/chat.gguf" and coder.path == "/models/coder.gguf"
     assert chat.slot_save_path == str(router.slot_save_path)
     assert chat.n_ctx == 4096 and coder.n_ctx is None
-    assert chat.identity().startswith("/models/chat.gguf|4096")
+    assert chat.identity() == "/models/chat.gguf|4096|ftype=F16"
     assert chat.names() == {"chat"}
 
 

@@ -232,7 +232,12 @@ class FakeRouter:
             }
             if model.child is not None:
                 child = model.child
-                info["meta"] = {"n_ctx": child.n_ctx, "n_ctx_train": child.n_ctx, "size": 1}
+                info["meta"] = {
+                    "n_ctx": child.n_ctx,
+                    "n_ctx_train": child.n_ctx,
+                    "size": 1,
+                    "ftype": "F16",
+                }
             data.append(info)
         return web.json_response({"data": data, "object": "list"})
 

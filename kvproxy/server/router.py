@@ -61,6 +61,7 @@ class RouterModel:
     exit_code: int | None = None
     n_ctx: int | None = None  # tokens per slot; reported only while the child runs
     size: int | None = None  # the model's bytes, as the child reports them
+    ftype: str | None = None  # the weights' type, as the child reports it (`meta.ftype`)
 
     @property
     def running(self) -> bool:
@@ -83,12 +84,11 @@ class RouterModel:
 
     def identity(self) -> str:
         """Which model and KV layout produced a state, in the form a single server's
-        identity takes (the GGUF path, tokens per slot, the file's size and mtime); the
-        tokens per slot are known once the child has reported them (while it runs)."""
+        identity takes (the GGUF path, tokens per slot, the file's size and mtime, the
+        weights' type); what the child reports is known while it runs."""
         n_ctx = "" if self.n_ctx is None else self.n_ctx
-        return model_identity(
-            {"model_path": self.path, "default_generation_settings": {"n_ctx": n_ctx}}
-        )
+        props = {"model_path": self.path, "default_generation_settings": {"n_ctx": n_ctx}}
+        return model_identity({**props, "model_ftype": self.ftype})
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> RouterModel:
@@ -108,6 +108,7 @@ class RouterModel:
             exit_code=_int(status.get("exit_code")),
             n_ctx=_int(meta.get("n_ctx")),
             size=_int(meta.get("size")),
+            ftype=meta.get("ftype") if isinstance(meta.get("ftype"), str) else None,
         )
 
 
