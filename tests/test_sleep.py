@@ -106,7 +106,7 @@ async def test_slots_are_saved_before_the_server_sleeps(tmp_path: Path) -> None:
 
 
 def test_managed_mode_reads_the_servers_sleep_timeout() -> None:
-    from kvproxy.cli import sleep_idle_seconds
+    from kvproxy.server.launch import sleep_idle_seconds
 
     assert sleep_idle_seconds(["-t", "2", "--sleep-idle-seconds", "300"]) == 300.0
     assert sleep_idle_seconds(["--sleep-idle-seconds=60"]) == 60.0

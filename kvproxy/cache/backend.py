@@ -18,7 +18,7 @@ from kvproxy.cache.slots import SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
-from kvproxy.server.api import LlamaClient
+from kvproxy.server.api import LlamaClient, ModelRoute
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 
 log = logging.getLogger("kvproxy.cache")
@@ -56,13 +56,23 @@ SEVERAL_CHECK_INTERVAL = 2.0
 
 
 class Backend:
-    def __init__(self, upstream: Upstream, settings: Settings, several: bool = False) -> None:
+    """`model`: one model of a router-mode server (a lane of its own, reached by name; one
+    the router has not loaded answers its GETs 400 and counts as down meanwhile)."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        settings: Settings,
+        several: bool = False,
+        model: str | None = None,
+    ) -> None:
         self.upstream = upstream
         # One of several servers: checked more often, and distrusted when it returns (its
         # requests went elsewhere meanwhile; it may have been restarted, empty).
-        self.several = several
-        self.check_interval = SEVERAL_CHECK_INTERVAL if several else PROPS_CHECK_INTERVAL
-        self.client = LlamaClient(upstream)
+        self.several = several or model is not None
+        self.check_interval = SEVERAL_CHECK_INTERVAL if self.several else PROPS_CHECK_INTERVAL
+        self.model = model
+        self.client = LlamaClient(upstream, ModelRoute(model) if model else None)
         self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
         self.enabled = False  # slot pinning works (GET /slots answered)
         self.disk_enabled = True  # slot save/restore works (--slot-save-path set)
@@ -94,8 +104,10 @@ class Backend:
 
     @property
     def name(self) -> str:
-        """The server's address (host:port), as logs, metrics and stats name it."""
-        return self.upstream.base_url.split("://", 1)[-1]
+        """The server's address (host:port, then /model for a router's), as logs, metrics
+        and stats name it."""
+        address = self.upstream.base_url.split("://", 1)[-1]
+        return f"{address}/{self.model}" if self.model else address
 
     @property
     def label(self) -> str | None:
@@ -114,6 +126,16 @@ class Backend:
         rotation until the server answers a look again, and its slots distrusted then."""
         self.down = UpstreamError(reason)
         self.enabled = False
+        self._lost = True
+
+    def model_gone(self, why: str) -> None:
+        """The router unloaded this model, or it fell asleep: its KV went with it. What the
+        slots held is forgotten now (a saved copy is restored when it comes back), and once
+        more when it answers again."""
+        log.info("model %s %s: its slots are forgotten", self.model, why)
+        for slot in self.pool.slots:
+            if not slot.busy:
+                slot.forget()
         self._lost = True
 
     async def rediscover_if_off(self, wake: bool = True) -> None:

@@ -9,6 +9,8 @@ whose model identity (and so namespace) is the same.
 
 from __future__ import annotations
 
+import contextlib
+
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
@@ -16,8 +18,9 @@ from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.slotio import SlotWork
-from kvproxy.cache.slots import SlotPool
+from kvproxy.cache.slots import QueueFull, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
+from kvproxy.http.session import UpstreamError
 
 
 class Lane:
@@ -42,6 +45,23 @@ class Lane:
     @property
     def pool(self) -> SlotPool:
         return self.backend.pool
+
+    async def save_slot(self, slot_id: int) -> None:
+        """Save what the slot holds if that would be lost (its turn in the pool, verified
+        first); nothing when the slot is taken for good or the server fails."""
+        with contextlib.suppress(QueueFull, UpstreamError, OSError):
+            got, _ = await self.pool.acquire(wanted=slot_id)
+            try:
+                await self.work.verify(got)
+                await self.work.save(got)
+            finally:
+                self.pool.release(got)
+
+    async def save_unsaved(self) -> None:
+        """Save every slot whose conversation is not on disk (before the server drops it)."""
+        for slot in self.pool.slots:
+            if self.work.worth_saving(slot):
+                await self.save_slot(slot.id)
 
     @property
     def in_rotation(self) -> bool:

@@ -8,15 +8,17 @@ With one server, every request goes to it exactly as before: no body is read her
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from kvproxy.cache.keyed import Incoming, invalid_json
 from kvproxy.cache.lane import Lane
+from kvproxy.cache.models import RouterModels
 from kvproxy.cache.routing import LaneView, choose_lane, least_loaded
 from kvproxy.http import bodies as jsonbody
 from kvproxy.http.errors import Unreachable
@@ -28,10 +30,12 @@ log = logging.getLogger("kvproxy.cache")
 class Router:
     def __init__(
         self,
-        lanes: Sequence[Lane],
+        lanes: list[Lane],
         opened: Callable[[], Awaitable[web.Response | None]],
     ) -> None:
-        self.lanes = list(lanes)
+        self.lanes = lanes  # the cache's own list: a router found at start changes it
+        # Router-mode servers: their models' lanes, by the name a request gives (models.py).
+        self.models: list[RouterModels] = []
         # Waits until the cache dir is open and every server was looked for once (or answers
         # what the client gets instead).
         self._opened = opened
@@ -52,9 +56,52 @@ class Router:
             return self.lanes[0]
         return self.lanes[least_loaded([_view(lane, None) for lane in self.lanes])]
 
+    def model_lane(self, payload: Any) -> tuple[RouterModels, Lane] | None:
+        """The lane of the router model a request body names ("model"), if any."""
+        name = payload.get("model") if isinstance(payload, dict) else None
+        for group in self.models:
+            lane = group.lane_for(name)
+            if lane is not None:
+                return group, lane
+        return None
+
+    async def management_lane(self, path: str, body: bytes) -> Lane:
+        """The lane whose slots a model-management route holds (and saves) while it runs:
+        with router models, the named model's, after saving what a load will unload."""
+        parsed = jsonbody.parse(body)
+        name = parsed.value.get("model") if isinstance(parsed.value, dict) else None
+        for group in self.models:
+            lane = await group.before_management(path, name)
+            if lane is not None:
+                return lane
+        return self.pick()
+
+    @contextlib.asynccontextmanager
+    async def lane_for(self, request: web.Request) -> AsyncIterator[Lane]:
+        """The lane for a request the cache does not key but pins: with router models, the
+        one its body names, brought up (models.py) and busy until the request is done."""
+        found = None
+        if self.models and request.body_exists:
+            parsed = jsonbody.parse(await request.read())
+            found = self.model_lane(None if parsed.opaque else parsed.value)
+        if found is None:
+            yield self.pick()
+            return
+        group, lane = found
+        await group.serve(lane)
+        try:
+            yield lane
+        finally:
+            await group.done(lane)
+
     async def handle_keyed(
         self, request: web.Request, path_qs: str, adapter: WireAdapter
     ) -> web.StreamResponse:
+        if self.models:
+            not_yet = await self._opened()
+            if not_yet is not None:
+                return not_yet
+            return await self._handle_model(request, path_qs, adapter)
         if len(self.lanes) == 1:
             lane = self.lanes[0]
             not_yet = await self.ready(lane)
@@ -84,6 +131,30 @@ class Router:
             left.remove(lane)
             if not left:
                 return answer
+
+    async def _handle_model(
+        self, request: web.Request, path_qs: str, adapter: WireAdapter
+    ) -> web.StreamResponse:
+        """With router models: to the lane of the model the body names, once the router runs
+        it; a body naming none of them goes as it is (the router answers it)."""
+        started = time.perf_counter()
+        body = await request.read()
+        parsed = jsonbody.parse(body)
+        if parsed.invalid is not None:
+            return invalid_json(parsed.invalid)
+        found = self.model_lane(None if parsed.opaque else parsed.value)
+        if found is None:
+            return (await self.pick().unkeyed.relay_bypass(request, path_qs, body)).response
+        group, lane = found
+        await group.serve(lane)
+        try:
+            answer = await self.ready(lane)
+            if answer is not None:
+                return answer
+            incoming = Incoming(body, parsed, started)
+            return await lane.conversations.serve(request, path_qs, adapter, incoming, None)
+        finally:
+            await group.done(lane)
 
     def _choose(
         self,

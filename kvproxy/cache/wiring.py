@@ -29,12 +29,14 @@ from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.lane import Lane, make_lane
+from kvproxy.cache.lanestate import backend_state, slot_state
 from kvproxy.cache.leases import Background
+from kvproxy.cache.models import find_models
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
 from kvproxy.cache.router import Router
 from kvproxy.cache.slotio import SlotWork
-from kvproxy.cache.slots import ANYONE, NOBODY, QueueFull, Slot, SlotPool
+from kvproxy.cache.slots import SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
@@ -64,24 +66,35 @@ class ConversationCache:
         # The one place every part is built: each lane gets a context with its own backend
         # and the parts every lane shares.
         several = len(upstreams) > 1
-        self.lanes = [
-            make_lane(
-                CacheContext(
-                    settings,
-                    Backend(upstream, settings, several),
-                    self.store,
-                    events,
-                    self.habits,
-                    self.guard,
-                    self.background,
-                ),
-            )
-            for upstream in upstreams
-        ]
+        self.lanes = [self._lane(upstream, several) for upstream in upstreams]
         self.router = Router(self.lanes, self.opened)
         self._housekeeper: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
         self._habits_written = 0  # habits.changes when they were last written out
+
+    def _lane(self, upstream: Upstream, several: bool, model: str | None = None) -> Lane:
+        backend = Backend(upstream, self.settings, several, model)
+        ctx = CacheContext(
+            self.settings,
+            backend,
+            self.store,
+            self.events,
+            self.habits,
+            self.guard,
+            self.background,
+        )
+        return make_lane(ctx)
+
+    async def _find_models(self) -> None:
+        """A router-mode server gets a lane per model (models.py) instead of its own."""
+        lanes: list[Lane] = []
+        for lane in self.lanes:
+            upstream = lane.backend.upstream
+            group = await find_models(upstream, partial(self._lane, upstream, True))
+            if group is not None:
+                self.router.models.append(group)
+            lanes += list(group.lanes.values()) if group is not None else [lane]
+        self.lanes[:] = lanes
 
     # --- the first (with one server, the only) lane
 
@@ -164,9 +177,9 @@ class ConversationCache:
             "live_conversations": sum(lane.warmer.live.count(now) for lane in self.lanes),
             "faults": self.faults.failing(),
             "namespaces": {kind: kept for kind, (kept, _) in self.namespaces().items()},
-            "backends": [_backend_state(lane) for lane in self.lanes],
+            "backends": [backend_state(lane) for lane in self.lanes],
             "slots": [
-                _slot_state(slot, lane, now) for lane in self.lanes for slot in lane.pool.slots
+                slot_state(slot, lane, now) for lane in self.lanes for slot in lane.pool.slots
             ],
         }
 
@@ -202,6 +215,7 @@ class ConversationCache:
         trimmed = self.habits.load(found)
         # A file past the bounds is written back trimmed at the next housekeeping tick.
         self._habits_written = self.habits.changes - int(trimmed)
+        await self._find_models()
         window = self.settings.live_window
         used = await self.store.used_since_async(time.time() - window) if window > 0 else []
         for lane in self.lanes:
@@ -217,7 +231,8 @@ class ConversationCache:
         try:
             await lane.backend.discover()
         except UpstreamError as exc:
-            log.warning(
+            # A router's model not loaded yet answers 400: its first request loads it.
+            (log.info if lane.backend.model else log.warning)(
                 "llama-server %s not ready (%s); will retry in the background", lane.name, exc
             )
 
@@ -294,7 +309,7 @@ class ConversationCache:
             try:
                 if remaining <= 0:
                     raise TimeoutError
-                await asyncio.wait_for(_save_for_shutdown(lane, slot.id), remaining)
+                await asyncio.wait_for(lane.save_slot(slot.id), remaining)
             except TimeoutError:
                 held = slot.holding
                 lost.append(
@@ -330,6 +345,8 @@ class ConversationCache:
                     await self.notice_removals()
                 else:
                     await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
+                for group in self.router.models if due else []:
+                    await group.look()  # a model unloaded or asleep: its slots forgotten
                 for lane in due:
                     await self._look_again(lane)
                 await self.lane.work.evict()
@@ -360,47 +377,3 @@ class ConversationCache:
         gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
-
-
-async def _save_for_shutdown(lane: Lane, slot_id: int) -> None:
-    with contextlib.suppress(QueueFull, UpstreamError, OSError):
-        got, _ = await lane.pool.acquire(wanted=slot_id)
-        try:
-            await lane.work.verify(got)
-            await lane.work.save(got)
-        finally:
-            lane.pool.release(got)
-
-
-def _backend_state(lane: Lane) -> dict[str, Any]:
-    backend = lane.backend
-    return {
-        "name": lane.name,
-        "enabled": backend.enabled,
-        "down": str(backend.down) if backend.down is not None else None,
-        "model_class": backend.model_class,
-        "slots": len(backend.pool.slots),
-        "queue_waiting": backend.pool.waiting,
-    }
-
-
-def _slot_state(slot: Slot, lane: Lane, now: float) -> dict[str, Any]:
-    return {
-        "id": slot.id,
-        "backend": lane.name,
-        "busy": slot.busy,
-        "key": slot.holding.key if slot.holding else None,
-        "n_tokens": slot.holding.n_tokens if slot.holding else 0,
-        "saved": slot.saved,
-        "tenant": _tenant(slot.occupant),
-        "idle_s": round(now - slot.last_used, 1) if slot.last_used and not slot.busy else None,
-        "action": slot.action or ("saving" if slot.saving else None),
-    }
-
-
-def _tenant(occupant: str | None) -> str | None:
-    """A slot's tenant as the status page shows it: a hash prefix, enough to tell tenants
-    apart and never who they are; None when not known (or no tenant)."""
-    if occupant is None or occupant in (ANYONE, NOBODY):
-        return None
-    return occupant[:8]

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the proxy",
         description=(
             "Run the proxy in front of a llama-server (--upstream URL), or start one "
-            "(--model PATH or --model default). Flags after `--` go to llama-server."
+            "(--model PATH or --model default; --models-dir DIR: a router over the models in "
+            "DIR). Flags after `--` go to llama-server."
         ),
     )
     add_settings_flags(serve)
@@ -110,9 +111,8 @@ async def serve(settings: Settings) -> int:
     from kvproxy.edge.listen import listen, runner_options
     from kvproxy.server import leftover
     from kvproxy.server.fleet import Fleet
-    from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
-    from kvproxy.server.managed import server_command as build_server_command
-    from kvproxy.server.modelinfo import read_model_info
+    from kvproxy.server.launch import managed_command
+    from kvproxy.server.managed import ManagedServer, find_server_binary, free_port
 
     if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
         raise SystemExit(
@@ -121,43 +121,21 @@ async def serve(settings: Settings) -> int:
             "its key. Set --client-api-keys KEY[,KEY…] (env KVPROXY_CLIENT_API_KEYS)."
         )
     fleet: Fleet | None = None
-    if settings.model:
+    if settings.model or settings.models_dir:
         binary = find_server_binary(settings.server_bin)
         settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        model = await asyncio.to_thread(resolve_model, settings.model)
-        info = await asyncio.to_thread(read_model_info, model)
-        extra = list(settings.server_args)
-        slept = sleep_idle_seconds(extra)
-        if slept is not None and settings.server_sleep_after is None:
-            settings.server_sleep_after = slept  # saved before the server unloads its slots
-        if info.has_swa and "--swa-full" not in extra:
-            # Without a full-size SWA cache the server never reuses a restored state. It costs
-            # KV memory: every layer keeps the whole context instead of the window.
-            log.info("%s is a sliding-window model: adding --swa-full", info.architecture)
-            extra.append("--swa-full")
         ports: list[int] = []
         while len(ports) < settings.servers:
             port = free_port(avoid=settings.port)
             if port not in ports:
                 ports.append(port)
-        servers = [
-            ManagedServer(
-                build_server_command(
-                    binary,
-                    model,
-                    port,
-                    settings.cache_dir,
-                    settings.slots,
-                    settings.ctx_size,
-                    settings.api_key,
-                    extra,
-                ),
-                port,
-                settings.api_key,
-                tag=f"{port}" if settings.servers > 1 else "",
-            )
-            for port in ports
-        ]
+        servers = []
+        for port in ports:
+            launch = await managed_command(settings, binary, port)
+            tag = f"{port}" if settings.servers > 1 else ""
+            servers.append(ManagedServer(launch.command, port, settings.api_key, tag=tag))
+        if launch.sleep_after is not None and settings.server_sleep_after is None:
+            settings.server_sleep_after = launch.sleep_after  # saved before it unloads slots
         await asyncio.to_thread(leftover.stop_leftover, settings.cache_dir)
         fleet = Fleet(servers, settings.cache_dir)
         quiet = settings.log_json or logging.getLogger().isEnabledFor(logging.DEBUG)
@@ -177,7 +155,8 @@ async def serve(settings: Settings) -> int:
     else:
         raise SystemExit(
             "kvproxy: nothing to proxy: give --upstream URL (a running llama-server) "
-            "or --model PATH|default (kvproxy starts llama-server)"
+            "or --model PATH|default (kvproxy starts llama-server), or --models-dir DIR "
+            "(kvproxy starts llama-server as a router over the models in DIR)"
         )
 
     # From here on a SIGTERM stops kvproxy in order (its managed server too), even one sent as
@@ -252,22 +231,6 @@ async def serve(settings: Settings) -> int:
     if fleet is not None:
         await fleet.stop()
     return exit_code
-
-
-def sleep_idle_seconds(server_args: Sequence[str]) -> float | None:
-    """The `--sleep-idle-seconds N` among llama-server's flags (None: it never sleeps)."""
-    for i, arg in enumerate(server_args):
-        value = None
-        if arg == "--sleep-idle-seconds" and i + 1 < len(server_args):
-            value = server_args[i + 1]
-        elif arg.startswith("--sleep-idle-seconds="):
-            value = arg.split("=", 1)[1]
-        if value is not None:
-            try:
-                return float(value) if float(value) > 0 else None
-            except ValueError:
-                return None
-    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

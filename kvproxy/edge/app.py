@@ -244,18 +244,19 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         if adapter is not None:
             return await router.handle_keyed(request, _path_qs(path, request), adapter)
         if path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
-            lane = router.pick()
-            not_yet = await router.ready(lane)
-            if not_yet is not None:
-                return not_yet
-            if path in PINNABLE_PATHS:
-                return await lane.unkeyed.handle_pinned(request, _path_qs(path, request))
-            return await lane.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
+            async with router.lane_for(request) as lane:
+                not_yet = await router.ready(lane)
+                if not_yet is not None:
+                    return not_yet
+                if path in PINNABLE_PATHS:
+                    return await lane.unkeyed.handle_pinned(request, _path_qs(path, request))
+                return await lane.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
     if path in MANAGEMENT_PATHS and decision.treatment is Treatment.EVERY_SLOT:
         # Allowed (--allow-model-management): a model the router unloads takes its slots'
         # state with it, so every slot is held and what would be lost is saved first.
         body = await request.read()
-        return await router.pick().unkeyed.hold_all(request, _path_qs(path, request), body)
+        lane = await router.management_lane(path, body)
+        return await lane.unkeyed.hold_all(request, _path_qs(path, request), body)
     return await forward(request, service, _path_qs(path, request))
 
 

@@ -4,13 +4,18 @@ restore, erase, tokenize, apply-template, evaluate, props), with their replies a
 Knows no request and no cache: the cache, the canonical prefix and the doctor all use it, so
 an endpoint's path and body shape are written down once. Every call raises UpstreamError
 when the server cannot be reached or answers with an error.
+
+In front of a router-mode server a client is bound to one of its models (`ModelRoute`):
+every call then names it as the router routes it (docs/how-it-works.md, "Router mode").
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
@@ -59,21 +64,73 @@ class Restored:
     n_read: int
 
 
+@dataclass(frozen=True)
+class ModelRoute:
+    """One model of a router-mode llama-server, named the way the router routes a request
+    (server-models.cpp): a POST by its body's "model", a GET by `?model=`. `autoload` False
+    adds `autoload=false`: a call for a model the router has not loaded is then refused
+    (400 "model is not loaded") instead of loading it, which could unload another model."""
+
+    name: str
+    autoload: bool = False
+
+    def query(self, path: str, get: bool) -> str:
+        params = [f"model={quote(self.name, safe='')}"] if get else []
+        if not self.autoload:
+            params.append("autoload=false")
+        if not params:
+            return path
+        return path + ("&" if "?" in path else "?") + "&".join(params)
+
+    def body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return {**body, "model": self.name}
+
+
 class LlamaClient:
-    def __init__(self, upstream: Upstream) -> None:
+    """`model`: the router model every call goes to; None for a server of one model."""
+
+    def __init__(self, upstream: Upstream, model: ModelRoute | None = None) -> None:
         self.upstream = upstream
+        self.model = model
+        # When this client last sent a POST: a router counts a model as used by its POSTs
+        # (its least recently used model is the one it unloads).
+        self.last_post = 0.0
+
+    def for_model(self, name: str, autoload: bool = False) -> LlamaClient:
+        """The same server's client for one of its router models."""
+        return LlamaClient(self.upstream, ModelRoute(name, autoload))
+
+    async def _get(self, path: str, timeout: float | None = 30.0) -> Any:
+        if self.model is not None:
+            path = self.model.query(path, get=True)
+        return await self.upstream.get_json(path, timeout=timeout)
+
+    async def _post(self, path: str, body: Mapping[str, Any], *timeout: float | None) -> Any:
+        """`timeout`: as given, else the session's default for kvproxy's own POSTs."""
+        if self.model is not None:
+            path, body = self.model.query(path, get=False), self.model.body(body)
+        self.last_post = time.monotonic()
+        return await self.upstream.post_json(path, dict(body), *timeout)
+
+    async def load(self) -> None:
+        """Make a router load this client's model, and wait until it has: a GET of
+        `/props?model=` that may load (and so may unload another model first)."""
+        assert self.model is not None, "load() is for a router's model"
+        route = ModelRoute(self.model.name, autoload=True)
+        await self.upstream.get_json(route.query("/props", get=True), timeout=None)
 
     async def health(self, timeout: float = 10.0) -> None:
+        """The server's (a router's own: it answers whatever its models do)."""
         await self.upstream.get_json("/health", timeout=timeout)
 
     async def props(self) -> dict[str, Any]:
-        res = await self.upstream.get_json("/props")
+        res = await self._get("/props")
         if not isinstance(res, dict):
             raise UpstreamError(f"GET /props answered {_short(res)}")
         return res
 
     async def slots(self) -> list[SlotInfo]:
-        res = await self.upstream.get_json("/slots")
+        res = await self._get("/slots")
         if not isinstance(res, list):
             raise UpstreamError(f"GET /slots answered {_short(res)}")
         return [SlotInfo.from_json(s) for s in res if isinstance(s, Mapping)]
@@ -104,7 +161,7 @@ class LlamaClient:
     async def _slot_action(
         self, slot_id: int, action: str, body: dict[str, Any], timeout: float | None
     ) -> dict[str, Any]:
-        res = await self.upstream.post_json(f"/slots/{slot_id}?action={action}", body, timeout)
+        res = await self._post(f"/slots/{slot_id}?action={action}", body, timeout)
         if not isinstance(res, dict):
             raise UpstreamError(f"slot {action} answered {_short(res)}")
         return res
@@ -114,14 +171,14 @@ class LlamaClient:
         --embeddings) or 404 (no such route). Probed with `{}`, which a route it serves
         refuses (400) before it creates any task, so no slot is touched either way."""
         try:
-            await self.upstream.post_json(path, {}, timeout=30.0)
+            await self._post(path, {}, 30.0)
         except UpstreamError as exc:
             return exc.status in (404, 501)
         return False
 
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         """The prompt the server renders for a chat body (messages and template fields)."""
-        res = await self.upstream.post_json("/apply-template", dict(body))
+        res = await self._post("/apply-template", body)
         prompt = res.get("prompt") if isinstance(res, dict) else None
         if not isinstance(prompt, str):
             raise UpstreamError(f"/apply-template answered {_short(res)}")
@@ -133,7 +190,7 @@ class LlamaClient:
         """Tokens as the server tokenises prompts: chat prompts with add_special (BOS);
         without it nothing a chat request caches would match. `parse_special` False reads
         control-token texts as plain text (tokensplit.py proves a marker special with it)."""
-        res = await self.upstream.post_json(
+        res = await self._post(
             "/tokenize",
             {"content": text, "add_special": add_special, "parse_special": parse_special},
         )
@@ -147,17 +204,17 @@ class LlamaClient:
         generating nothing; returns the reply's `timings`. No deadline: a prefill takes what
         the server's speed needs (minutes for 10k tokens on a slow CPU), and the server goes
         on computing whatever kvproxy does."""
-        res = await self.upstream.post_json(
+        res = await self._post(
             "/completion",
             {"prompt": tokens, "n_predict": 0, "id_slot": slot_id, "cache_prompt": True},
-            timeout=None,
+            None,
         )
         timings = res.get("timings") if isinstance(res, dict) else None
         return timings if isinstance(timings, dict) else {}
 
     async def complete(self, body: Mapping[str, Any], timeout: float = 300.0) -> dict[str, Any]:
         """A raw /completion call (the doctor's probes)."""
-        res = await self.upstream.post_json("/completion", dict(body), timeout)
+        res = await self._post("/completion", body, timeout)
         if not isinstance(res, dict):
             raise UpstreamError(f"/completion answered {_short(res)}")
         return res

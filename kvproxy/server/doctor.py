@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
-from kvproxy.server.api import LlamaClient, SlotInfo
+from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
+from kvproxy.server.router import is_router
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -43,10 +44,15 @@ class Stop(Exception):
 
 
 class Doctor:
-    def __init__(self, settings: Settings, upstream: Upstream, quick: bool) -> None:
+    """The checks of one server, or of one `model` of a router (named after it)."""
+
+    def __init__(
+        self, settings: Settings, upstream: Upstream, quick: bool, model: str | None = None
+    ) -> None:
         self.settings = settings
         self.upstream = upstream
-        self.llama = LlamaClient(upstream)
+        self.model_name = model
+        self.llama = LlamaClient(upstream, ModelRoute(model) if model else None)
         self.quick = quick
         self.checks: list[Check] = []
         self.props: dict[str, Any] = {}
@@ -55,23 +61,31 @@ class Doctor:
         self.cache_dir = Path(settings.cache_dir)
 
     def add(self, name: str, status: Status, detail: str, fix: str = "") -> None:
+        name = f"{self.model_name}: {name}" if self.model_name else name
         self.checks.append(Check(name, status, detail, fix))
 
     async def run(self) -> list[Check]:
         with contextlib.suppress(Stop):
             await self.check_health()
             await self.check_auth()
+            if is_router(self.props):  # its checks build a Doctor per model
+                from kvproxy.server.routerdoctor import check_router
+
+                return await check_router(self)
             await self.check_model()
             await self.check_slots()
             await self.check_cache_dir()
             await self.check_save_path()
-            if self.quick:
-                self.add("idle slots kept", "warn", "not probed (--quick)")
-                self.add("restore reuse", "warn", "not probed (--quick)")
-            else:
-                await self.check_idle_wipe()
-                await self.check_restore_reuse()
+            await self.probes()
         return self.checks
+
+    async def probes(self) -> None:
+        if self.quick:
+            self.add("idle slots kept", "warn", "not probed (--quick)")
+            self.add("restore reuse", "warn", "not probed (--quick)")
+        else:
+            await self.check_idle_wipe()
+            await self.check_restore_reuse()
 
     # --- the checks, in the order a user would fix them
 

@@ -101,10 +101,36 @@ def server_command(
     api_key: str | None,
     extra: list[str],
 ) -> list[str]:
-    cmd = [
-        str(binary),
-        "--model",
-        str(model),
+    cmd = [str(binary), "--model", str(model)]
+    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
+    return cmd + list(extra)
+
+
+def router_command(
+    binary: Path,
+    models_dir: Path,
+    models_max: int | None,
+    port: int,
+    slot_save_path: Path,
+    slots: int,
+    ctx_per_slot: int,
+    api_key: str | None,
+    extra: list[str],
+) -> list[str]:
+    """llama-server as a router over the GGUF models in `models_dir` (no --model). The router
+    starts each model's server with its own flags but the listening address and the key, so
+    every model gets the slots, the per-slot context and the --slot-save-path."""
+    cmd = [str(binary), "--models-dir", str(models_dir)]
+    if models_max is not None:
+        cmd += ["--models-max", str(models_max)]
+    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
+    return cmd + list(extra)
+
+
+def server_flags(
+    port: int, slot_save_path: Path, slots: int, ctx_per_slot: int, api_key: str | None
+) -> list[str]:
+    flags = [
         "--host",
         "127.0.0.1",
         "--port",
@@ -120,8 +146,8 @@ def server_command(
         str(slots * ctx_per_slot),
     ]
     if api_key:
-        cmd += ["--api-key", api_key]
-    return cmd + list(extra)
+        flags += ["--api-key", api_key]
+    return flags
 
 
 class Waiting(Protocol):

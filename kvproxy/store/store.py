@@ -325,8 +325,7 @@ class Store:
         """Open the index without sweeping, for `kvproxy ls|rm|gc` while a proxy may be
         using the directory (a sweep could delete its save in flight). Old `.idx` records are
         imported (rows only add what they describe; `progress` hears how far). Returns the
-        (key, reason) of records that could not be imported; FileNotFoundError when there is
-        no cache dir."""
+        (key, reason) of records not imported; FileNotFoundError when there is no cache dir."""
         if not self.root.is_dir():
             raise FileNotFoundError(f"no cache dir at {self.root}")
         self.problems = self._sync(partial(self._open_in, sweep=False, progress=progress))

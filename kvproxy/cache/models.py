@@ -1,0 +1,217 @@
+"""The models of a router-mode llama-server, one lane each, and what kvproxy does before the
+router swaps them (docs/how-it-works.md, "Router mode").
+
+A router unloads a model, and every slot state with it, when a request needs a model it has
+not loaded while `--models-max` are running: the least recently used one with no request in
+flight. So before a request goes to a model that is not loaded, kvproxy saves the unsaved
+slots of the model the router will unload (`victim`, the router's own rule on what kvproxy
+saw), then makes the router load the model, and forgets what the unloaded model's slots
+held: its conversations come back from disk when it does. A model that falls asleep or that
+the router unloads on its own (another client, `/models/unload`) is noticed in GET /models
+and its slots are forgotten the same way.
+
+While a request is on its way to a model, that model counts as busy: no swap for another
+model unloads it under the request (such a swap waits for it, as the router would).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvproxy.cache.lane import Lane
+from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.server.api import LlamaClient
+from kvproxy.server.router import RouterModel, is_router, list_models
+
+log = logging.getLogger("kvproxy.cache")
+
+# Statuses whose child process runs and counts against --models-max.
+RUNNING = frozenset({"loaded", "loading", "sleeping"})
+# Statuses a router may unload to make room (server_lru_sched::pick_victim: ready or asleep).
+EVICTABLE = frozenset({"loaded", "sleeping"})
+
+
+@dataclass(frozen=True)
+class ModelView:
+    name: str
+    status: str
+    busy: bool  # a request of kvproxy's is on its way to it, or in it
+    last_post: float  # when kvproxy last sent it a POST (what makes a router model "used")
+
+
+def victim(models: Sequence[ModelView], target: str, models_max: int) -> str | None:
+    """The model the router unloads to load `target`, None when it unloads none (the
+    target runs, or there is room). A busy model is never unloaded; when every other model
+    is busy the router waits, and so does kvproxy: `Swap.WAIT` is returned as the name."""
+    if models_max <= 0:
+        return None
+    running = [m for m in models if m.status in RUNNING]
+    if any(m.name == target for m in running) or len(running) < models_max:
+        return None
+    idle = [m for m in running if m.status in EVICTABLE and not m.busy and m.name != target]
+    if not idle:
+        return WAIT
+    return min(idle, key=lambda m: m.last_post).name
+
+
+WAIT = "\0wait"  # victim(): a swap must wait until a model is idle
+
+
+class RouterModels:
+    """The lanes of one router's models, by every name a request may use."""
+
+    def __init__(self, upstream: Upstream, lanes: dict[str, Lane], models_max: int) -> None:
+        self.upstream = upstream
+        self.lanes = lanes  # model id -> lane
+        self.names: dict[str, str] = {}  # a name or alias -> model id
+        self.models_max = models_max
+        self.status: dict[str, str] = {}
+        self._busy: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+
+    def add_names(self, model: RouterModel) -> None:
+        for name in model.names():
+            self.names[name] = model.id
+
+    def lane_for(self, name: object) -> Lane | None:
+        model = self.names.get(name) if isinstance(name, str) else None
+        return self.lanes.get(model) if model is not None else None
+
+    def views(self) -> list[ModelView]:
+        return [
+            ModelView(
+                name,
+                self.status.get(name, "unloaded"),
+                self._busy.get(name, 0) > 0,
+                lane.backend.client.last_post,
+            )
+            for name, lane in self.lanes.items()
+        ]
+
+    def notice(self, models: Sequence[RouterModel]) -> None:
+        """GET /models as it is now: a model that stopped running or fell asleep since the
+        last look lost its slots' state."""
+        for model in models:
+            before = self.status.get(model.id)
+            self.status[model.id] = model.status
+            lane = self.lanes.get(model.id)
+            if lane is None or before is None or before == model.status:
+                continue
+            if model.status == "sleeping":
+                lane.backend.model_gone("fell asleep")
+            elif model.status not in RUNNING:
+                lane.backend.model_gone("was unloaded by the router")
+
+    async def look(self) -> None:
+        self.notice(await list_models(self.upstream))
+
+    async def serve(self, lane: Lane) -> None:
+        """Before a request goes to `lane`'s model: it runs, loaded if need be, and the
+        model that load unloads had its unsaved slots saved. Call `done(lane)` after the
+        request (it counts as busy from here)."""
+        model = lane.backend.model
+        assert model is not None
+        self._busy[model] = self._busy.get(model, 0) + 1
+        try:
+            await self._bring_up(lane, model)
+        except BaseException:
+            await self.done(lane)
+            raise
+
+    async def done(self, lane: Lane) -> None:
+        model = lane.backend.model
+        assert model is not None
+        self._busy[model] = max(0, self._busy.get(model, 0) - 1)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _bring_up(self, lane: Lane, model: str) -> None:
+        # A model that runs needs no lock: counted busy already, no swap unloads it now.
+        try:
+            await self.look()
+        except UpstreamError as exc:
+            log.debug("GET /models failed (%s): the request goes as it is", exc)
+            return
+        if self.status.get(model) in RUNNING:
+            return
+        async with self._changed:
+            while True:
+                try:
+                    await self.look()
+                except UpstreamError as exc:
+                    log.debug("GET /models failed (%s): the request goes as it is", exc)
+                    return
+                if self.status.get(model) in RUNNING:
+                    return
+                unloads = victim(self.views(), model, self.models_max)
+                if unloads != WAIT:
+                    break
+                # Every other model has a request in flight: the router would wait too.
+                await self._changed.wait()
+            await self._save_victims(model, unloads)
+            log.info("loading model %s on the router", model)
+            try:
+                await lane.backend.client.load()
+            except UpstreamError as exc:
+                log.warning("the router could not load model %s: %s", model, exc)
+                return
+            await self.look()
+        await lane.backend.rediscover_if_off()
+
+    async def _save_victims(self, model: str, unloads: str | None) -> None:
+        """Save the unsaved slots of the model the router unloads to load `model`. Each save
+        is a POST, which makes its model the most recently used one: saved until the model
+        the router will unload has nothing unsaved."""
+        saved: set[str] = set()
+        while unloads is not None and unloads != WAIT and unloads not in saved:
+            saved.add(unloads)
+            await self.lanes[unloads].save_unsaved()
+            unloads = victim(self.views(), model, self.models_max)
+
+    async def before_management(self, path: str, name: object) -> Lane | None:
+        """Before a client's /models/load or /models/unload (--allow-model-management) of
+        the model `name`: what the router will unload for a load is saved; the lane of the
+        named model is returned (the caller holds its slots, saving them, while the route
+        runs)."""
+        lane = self.lane_for(name)
+        if lane is None or lane.backend.model is None:
+            return None
+        if path == "/models/load":
+            async with self._changed:
+                with contextlib.suppress(UpstreamError):
+                    await self.look()
+                unloads = victim(self.views(), lane.backend.model, self.models_max)
+                await self._save_victims(lane.backend.model, unloads)
+        return lane
+
+
+async def find_models(upstream: Upstream, make_lane: Callable[[str], Lane]) -> RouterModels | None:
+    """The models of the server at `upstream`, each with a lane `make_lane(model id)`, when
+    it is a router (GET /props says so); None for a server of one model, or one that does
+    not answer (it is then served as one server)."""
+    try:
+        props = await LlamaClient(upstream).props()
+        if not is_router(props):
+            return None
+        models = await list_models(upstream)
+    except UpstreamError as exc:
+        log.debug("GET /props or /models failed (%s): not looking for router models", exc)
+        return None
+    limit = props.get("max_instances")
+    found = RouterModels(upstream, {}, limit if isinstance(limit, int) else 0)
+    for model in models:
+        found.lanes[model.id] = make_lane(model.id)
+        found.add_names(model)
+        found.status[model.id] = model.status
+    log.info(
+        "llama-server %s is a router: %d models (%s), at most %s loaded at once",
+        upstream.base_url,
+        len(models),
+        ", ".join(found.lanes),
+        found.models_max or "any number",
+    )
+    return found
