@@ -1,10 +1,14 @@
 """A recording pass-through in front of an arm: the agent talks to it, it forwards every
 request unchanged and relays the reply as it streams, and it keeps each completion request's
 body and reply bytes. The same layer sits in front of kvproxy and in front of llama-server
-alone, so both arms are read the same way (the server's own numbers, from its replies)."""
+alone, so both arms are read the same way (the server's own numbers, from its replies).
+
+A client that hangs up is passed on: the tap stops reading and closes its upstream connection,
+as the client's own would have been, so what is behind it sees the interruption."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -43,6 +47,8 @@ class Tap:
     upstream: str = ""
     url: str = ""
     exchanges: list[Exchange] = field(default_factory=list)
+    # Set when a recorded request's reply starts to stream (what an interruption waits for).
+    replying: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
     _session: aiohttp.ClientSession | None = None
 
@@ -80,14 +86,20 @@ class Tap:
                 if name.lower() not in _DROP and name.lower() != "content-encoding":
                     resp.headers[name] = value
             await resp.prepare(request)
+            recorded = request.method == "POST" and request.path in RECORDED
             raw = bytearray()
             gone = False
             async for chunk in r.content.iter_any():
                 raw += chunk
-                gone = gone or not await send(resp, chunk)
+                if recorded and chunk:
+                    self.replying.set()
+                if not await send(resp, chunk):
+                    gone = True
+                    r.close()  # the client hung up: so does the tap, upstream
+                    break
             if not gone:
                 await send(resp, b"", eof=True)
-        if request.method == "POST" and request.path in RECORDED:
+        if recorded:
             self.exchanges.append(
                 Exchange(request.path, body, r.status, dict(r.headers), bytes(raw))
             )
