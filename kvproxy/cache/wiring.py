@@ -33,7 +33,7 @@ from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
 from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.slotio import SlotWork
-from kvproxy.cache.slots import ANYONE, NOBODY, QueueFull, SlotPool
+from kvproxy.cache.slots import ANYONE, NOBODY, QueueFull, Slot, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
@@ -200,8 +200,9 @@ class ConversationCache:
 
     async def stop(self, budget: float | None = None) -> None:
         """Save what would be lost, within `budget` seconds (the settings' shutdown deadline
-        by default): a slot still busy (a long prefill) or a save not done by then is named
-        in the log, and lost."""
+        by default): first the slots nobody is using (each a quick save), then, once the
+        work under way ends (a save, a long prefill), the others. A slot still busy or not
+        saved by then is named in the log, and lost."""
         began = time.monotonic()
         budget = self.settings.shutdown_timeout if budget is None else budget
         self.warmer.enabled = False  # a save under way finishes; no new one starts
@@ -209,42 +210,43 @@ class ConversationCache:
             self._housekeeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeper
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.background.wait(), max(0.0, budget / 2))
         if not self.enabled or not self.store.ready:
+            await self.background.wait(max(0.0, budget / 2))
             await asyncio.to_thread(self.store.close)
             return
+        deadline = began + budget
+        await self._save_all([s for s in self.pool.slots if not s.busy], deadline)
+        await self.background.wait(max(0.0, deadline - time.monotonic()))
+        lost = await self._save_all(self.pool.slots, deadline)
+        if lost:
+            log.warning("not saved by the shutdown deadline, lost: %s", ", ".join(lost))
+        await self.background.wait(1.0)
+        await self.write_habits()
+        await asyncio.to_thread(self.store.close)
+
+    async def _save_all(self, slots: list[Slot], deadline: float) -> list[str]:
+        """Save each of `slots` worth saving, by `deadline`; what was not, named."""
         lost = []
-        for slot in self.pool.slots:
-            if not self.work.worth_saving(slot):
+        for slot in slots:
+            if not slot.busy and not self.work.worth_saving(slot):
                 continue
-            remaining = budget - (time.monotonic() - began)
+            remaining = deadline - time.monotonic()
             try:
                 if remaining <= 0:
                     raise TimeoutError
                 await asyncio.wait_for(self._save_for_shutdown(slot.id), remaining)
             except TimeoutError:
-                held = slot.holding
-                lost.append(
-                    f"slot {slot.id} ({held.key[:12]}, {held.n_tokens} tokens)"
-                    if held
-                    else f"slot {slot.id}"
-                )
-        if lost:
-            log.warning(
-                "shutdown deadline (%.0f s) passed: not saved, lost: %s", budget, ", ".join(lost)
-            )
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.background.wait(), 1.0)
-        await self.write_habits()
-        await asyncio.to_thread(self.store.close)
+                lost.append(_unsaved(slot))
+        return lost
 
     async def _save_for_shutdown(self, slot_id: int) -> None:
         with contextlib.suppress(QueueFull, UpstreamError, OSError):
             got, _ = await self.pool.acquire(wanted=slot_id)
             try:
                 await self.work.verify(got)
-                await self.work.save(got)
+                # A slot that was busy is judged now that its work has ended.
+                if self.work.worth_saving(got):
+                    await self.work.save(got)
             finally:
                 self.pool.release(got)
 
@@ -298,3 +300,14 @@ def _tenant(occupant: str | None) -> str | None:
     if occupant is None or occupant in (ANYONE, NOBODY):
         return None
     return occupant[:8]
+
+
+def _unsaved(slot: Slot) -> str:
+    """A slot not saved at shutdown, as the log names it."""
+    held = slot.holding
+    if slot.busy:
+        doing = slot.action or "a prefill or reply"
+        return f"slot {slot.id} (busy: {doing} under way{f', {held.key[:12]}' if held else ''})"
+    return (
+        f"slot {slot.id} ({held.key[:12]}, {held.n_tokens} tokens)" if held else f"slot {slot.id}"
+    )

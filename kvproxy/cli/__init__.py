@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,10 @@ LLAMA_LOGGER = "llama-server"  # llama-server's own lines, relayed (managed.py)
 # other command loads them. `serve` imports the proxy (aiohttp, whose import alone loads the
 # system's CA certificates twice) when it runs: `kvproxy ls` needs none of it.
 SUBCOMMANDS = ("kvproxy.cli.doctor", "kvproxy.cli.inventory", "kvproxy.cli.bench")
+
+# At SIGTERM, saving ends this long before --shutdown-timeout (at most a quarter of it): time
+# to stop the managed server and write the last log lines.
+STOP_RESERVE_S = 3.0
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"
@@ -117,7 +122,7 @@ async def serve(settings: Settings) -> int:
     from aiohttp import web
 
     from kvproxy.cli.display import Ticker
-    from kvproxy.edge.app import RUNNER_OPTIONS, build_app
+    from kvproxy.edge.app import RUNNER_OPTIONS, SERVICE, build_app
     from kvproxy.server import leftover
     from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
     from kvproxy.server.managed import server_command as build_server_command
@@ -182,8 +187,9 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     app = build_app(settings, upstream_url)
-    # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off.
-    runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=settings.shutdown_timeout / 3)
+    # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off:
+    # aiohttp waits its shutdown_timeout for them to end, then as long again once cancelled.
+    runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=settings.shutdown_timeout / 6)
     try:
         await runner.setup()
         await listen(runner, settings)
@@ -224,6 +230,9 @@ async def serve(settings: Settings) -> int:
         exit_code = 1
     else:
         log.info("shutting down: saving slots, then stopping")
+    stop_by = time.monotonic() + settings.shutdown_timeout
+    # Saving ends early enough to stop the managed server and say what was not saved.
+    app[SERVICE].stop_by = stop_by - min(STOP_RESERVE_S, settings.shutdown_timeout / 4)
     try:
         await asyncio.wait_for(runner.cleanup(), settings.shutdown_timeout)
     except TimeoutError:
@@ -240,7 +249,7 @@ async def serve(settings: Settings) -> int:
         atexit._run_exitfuncs()  # the log writer's last lines
         os._exit(exit_code)
     if server is not None:
-        await server.stop()
+        await server.stop(grace=max(1.0, stop_by - time.monotonic()))
         await asyncio.to_thread(leftover.forget, settings.cache_dir)
     return exit_code
 
