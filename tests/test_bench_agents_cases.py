@@ -145,10 +145,7 @@ async def test_the_tap_hangs_up_upstream_when_its_client_does() -> None:
             await asyncio.wait_for(tap.replying.wait(), 10)
             resp.close()  # the user stops the reply
         await asyncio.wait_for(upstream_saw_hangup.wait(), 10)
-        for _ in range(100):  # the tap records the cut exchange once its handler returns
-            if tap.exchanges:
-                break
-            await asyncio.sleep(0.05)
+        await tap.settled()  # the cut exchange is recorded once its handler returns
         (cut,) = tap.take()
         assert cut.path == "/v1/chat/completions" and cut.reply.startswith(b"data: 0")
     finally:

@@ -205,6 +205,7 @@ async def _run_steps(
         if step.do is Do.INTERRUPT:
             stoppable = cast(Interruptible, driver)
             failed = await stoppable.interrupted_turn(step.session, step.message, tap.replying)
+            await tap.settled()
         else:
             failed = await driver.turn(step.session, step.first, step.message)
         if failed:

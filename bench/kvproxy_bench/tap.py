@@ -49,12 +49,21 @@ class Tap:
     exchanges: list[Exchange] = field(default_factory=list)
     # Set when a recorded request's reply starts to stream (what an interruption waits for).
     replying: asyncio.Event = field(default_factory=asyncio.Event)
+    in_flight: int = 0  # requests being relayed
     _runner: web.AppRunner | None = None
     _session: aiohttp.ClientSession | None = None
 
     def take(self) -> list[Exchange]:
         out, self.exchanges = self.exchanges, []
         return out
+
+    async def settled(self, timeout: float = 60.0) -> None:
+        """Until no request is being relayed: a client that hung up has gone on before the
+        tap noticed (at its next write), and its exchange is recorded only then."""
+        for _ in range(int(timeout / 0.05)):
+            if not self.in_flight:
+                return
+            await asyncio.sleep(0.05)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
@@ -75,6 +84,13 @@ class Tap:
             self._session = None
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        try:
+            return await self._relay(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _relay(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
@@ -85,10 +101,14 @@ class Tap:
             for name, value in r.headers.items():
                 if name.lower() not in _DROP and name.lower() != "content-encoding":
                     resp.headers[name] = value
-            await resp.prepare(request)
             recorded = request.method == "POST" and request.path in RECORDED
             raw = bytearray()
             gone = False
+            try:
+                await resp.prepare(request)
+            except ConnectionError:  # the client hung up before the reply began
+                r.close()
+                return resp
             async for chunk in r.content.iter_any():
                 raw += chunk
                 if recorded and chunk:
