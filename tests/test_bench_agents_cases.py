@@ -151,3 +151,14 @@ async def test_the_tap_hangs_up_upstream_when_its_client_does() -> None:
     finally:
         await tap.stop()
         await runner.cleanup()
+
+
+def test_a_run_of_the_cases_alone_has_no_plan_targets() -> None:
+    opts = agents.AgentsOptions(plan=False)
+    res = agents.AgentsResult(
+        options=asdict(opts),
+        rows=[row(SDK, KVPROXY, agentcases.NEW_DAY, "restored", 1340, 460, 1350)],
+    )
+    assert [c.target for c in agents.checks(res)] == [
+        f"agents: OpenAI SDK {agentcases.NEW_DAY} ≥ 90% of ideal"
+    ]

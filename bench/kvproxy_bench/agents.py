@@ -327,7 +327,7 @@ def checks(result: AgentsResult) -> list[Check]:
         if row.ideal is not None and row.ideal >= WORTH_JUDGING:
             first.setdefault((row.client, row.arm, row.turn), row)
     out = []
-    for client in dict.fromkeys(r.client for r in result.rows):
+    for client in dict.fromkeys(r.client for r in result.rows) if opts.plan else ():
         for turn, bar in [*((t, 0.99) for t in LATER), *((t, 0.95) for t in NEW_SESSIONS)]:
             r = first.get((client, KVPROXY, turn))
             value = pct_of_ideal(credited(r), r.ideal) if r else None
