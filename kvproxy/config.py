@@ -145,8 +145,9 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description=(
-            "longest SIGTERM takes: a third for requests in flight, then unsaved slots are "
-            "saved; what is not saved by then is named in the log and lost"
+            "longest SIGTERM takes, the managed server's stop included: a third for requests "
+            "in flight, then unsaved slots are saved; what is not saved by then is named in "
+            "the log and lost"
         ),
     )
 

@@ -35,6 +35,7 @@ async def test_sdk_and_codex_later_turns_come_back_whole(env: BenchEnv) -> None:
         sdk_prompt_tokens=600,
         evict_facts=12,
         new_sessions=False,
+        cases=(),  # the plan alone (the cases: test_real_agents.py, test_bench_agents_cases.py)
     )
     result = await agents.run_agents(env, opts)
     assert result.failures == [] and result.skipped == {}, result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Protocol
@@ -364,6 +365,28 @@ async def test_an_interrupted_turn_is_saved_when_its_slot_is_needed(make: Maker)
     assert status == 200 and h["X-KVProxy-Cache"] == "restored"
     assert r["timings"]["cache_n"] / prompt_tokens(r) > 0.9
     assert fake.deferred_actions == 0
+
+
+async def test_a_client_gone_while_its_state_is_restored_is_reported(make: Maker) -> None:
+    """Hung up while kvproxy restores its conversation (on a slow disk, or during an opening's
+    long evaluation): the request still has its log line, as one that closed (499)."""
+    fake, proxy = await make(server={"n_slots": 1}, live_window=0)
+    _, r1, _ = await chat(proxy, conv(1))
+    await chat(proxy, conv(2))  # conversation 1 goes to disk
+    await settle(proxy)
+    fake.action_delay = 1.0
+    body = {"messages": then(conv(1), r1)}
+    async with aiohttp.ClientSession() as s:
+        with contextlib.suppress(TimeoutError):
+            async with s.post(
+                proxy.url + "/v1/chat/completions",
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            ) as resp:
+                await resp.read()
+    await asyncio.sleep(1.5)
+    await settle(proxy)
+    assert proxy.stats()["requests_by_status"].get("4xx") == 1
 
 
 async def test_queue_bound_gives_503_with_retry_after(make: Maker) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvproxy.cache.leases import Background
 from kvproxy.server.managed import free_port
 from kvproxy.store import DB_NAME, Store
 
@@ -89,3 +90,21 @@ async def test_sigterm_during_a_long_reply_stops_within_the_deadline(tmp_path: P
         assert len(store.entries) >= 1, err.decode()[-2000:]
     finally:
         store.close()
+
+
+async def test_a_bounded_wait_for_background_work_leaves_it_running() -> None:
+    """Shutdown waits for kvproxy's own work (a long prefill on a slot) only as long as its
+    deadline allows: the work goes on, so the slot it holds is still known busy and is
+    named as not saved (a wait_for around a gather would cancel it)."""
+    background = Background()
+    done = asyncio.Event()
+
+    async def long_prefill() -> None:
+        await asyncio.sleep(0.5)
+        done.set()
+
+    background.spawn(long_prefill())
+    assert await background.wait(0.05) is False
+    assert len(background) == 1  # still running
+    assert await background.wait() is True
+    assert done.is_set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,12 @@ LABELS = {
 # A turn of a real agent may prefill a 10k-token prompt on a slow CPU, more than once.
 TURN_TIMEOUT = 1800.0
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
+# An interrupted turn: a reply asked long enough to be still streaming when the user stops it
+# this long after it began (the request's cap overrides the server's -n).
+LONG_REPLY = 4000
+INTERRUPT_AFTER = 2.0
+# The clients whose turn can be stopped mid-reply as their user would (Ctrl-C, a UI's stop).
+INTERRUPTIBLE = (SDK, CLAUDE_CODE)
 
 
 @dataclass
@@ -57,6 +64,26 @@ class Driver(Protocol):
     async def turn(self, session: int, first: bool, message: str) -> str | None: ...
 
     async def close(self) -> None: ...
+
+
+class Interruptible(Driver, Protocol):
+    async def interrupted_turn(
+        self, session: int, message: str, replying: asyncio.Event
+    ) -> str | None:
+        """A turn asking for a long reply, stopped `INTERRUPT_AFTER` seconds after `replying`
+        is set (the reply streams). None when it was stopped mid-reply, else what went wrong."""
+        ...
+
+
+def dated_prompt(day: int, head_tokens: int) -> str:
+    """A long system prompt with the day's date on a line ~400 tokens before its end (as
+    OpenClaw writes `Current date: …` into its own): sessions of different days share the
+    ~`head_tokens`-token head, and part at the date."""
+    from kvproxy_bench.dialogues import facts_for
+
+    head = system_prompt(7, facts_for(head_tokens))
+    tail = "".join(f"Note {i}: restock shelf {i % 13} before noon.\n" for i in range(40))
+    return f"{head}\nCurrent date: 2026-12-{day:02d}\n{tail}"
 
 
 async def run(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
@@ -90,6 +117,7 @@ class SdkDriver:
     settings: Settings
     name: str = SDK
     sessions: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    dated: bool = False  # the system prompt of dated_prompt: session N is on day N
     _client: Any = None
 
     async def prepare(self) -> str | None:
@@ -102,7 +130,10 @@ class SdkDriver:
         from kvproxy_bench.dialogues import facts_for
 
         if first:
-            prompt = system_prompt(7, facts_for(self.settings.sdk_prompt_tokens))
+            tokens = self.settings.sdk_prompt_tokens
+            prompt = (
+                dated_prompt(session, tokens) if self.dated else system_prompt(7, facts_for(tokens))
+            )
             self.sessions[session] = [{"role": "system", "content": prompt}]
         messages = self.sessions[session]
         messages.append({"role": "user", "content": message})
@@ -111,6 +142,32 @@ class SdkDriver:
         )
         messages.append({"role": "assistant", "content": done.choices[0].message.content or ""})
         return None
+
+    async def interrupted_turn(
+        self, session: int, message: str, replying: asyncio.Event
+    ) -> str | None:
+        """The reply streamed, and the stream closed mid-reply (a chat UI's stop button); the
+        part shown is kept as the assistant's message, as such a UI keeps it."""
+        messages = self.sessions[session]
+        messages.append({"role": "user", "content": message})
+        stream = await self._client.chat.completions.create(
+            model="any", messages=messages, max_tokens=LONG_REPLY, temperature=0, stream=True
+        )
+        stop = asyncio.create_task(_after_replying(replying))
+        shown: list[str] = []
+        stopped = False
+        try:
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    shown.append(chunk.choices[0].delta.content)
+                if stop.done():
+                    stopped = True
+                    break
+        finally:
+            await stream.close()
+            stop.cancel()
+        messages.append({"role": "assistant", "content": "".join(shown)})
+        return None if stopped else "the reply ended before it was interrupted"
 
     async def close(self) -> None:
         if self._client is not None:
@@ -166,19 +223,50 @@ class ClaudeCodeDriver:
         await asyncio.to_thread(self.settings.home.mkdir, 0o700, True, True)
         return None
 
-    async def turn(self, session: int, first: bool, message: str) -> str | None:
-        home = self.settings.home
-        env = agentclients.client_env(
-            home,
+    def _env(self, max_output: int) -> dict[str, str]:
+        return agentclients.client_env(
+            self.settings.home,
             ANTHROPIC_BASE_URL=self.settings.base,
             ANTHROPIC_API_KEY="kvproxy-bench",
             DISABLE_TELEMETRY="1",
             CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-            CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(self.settings.max_output),
+            CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(max_output),
         )
+
+    async def turn(self, session: int, first: bool, message: str) -> str | None:
+        home = self.settings.home
         args = ["-p", message] if first else ["-p", "--continue", message]
-        code, out = await run([str(self.exe), *args], env, home)
+        code, out = await run([str(self.exe), *args], self._env(self.settings.max_output), home)
         return None if code in (0, 1) else _failed(code, out)
+
+    async def interrupted_turn(
+        self, session: int, message: str, replying: asyncio.Event
+    ) -> str | None:
+        """`claude -p --continue` stopped with SIGINT (Ctrl-C) while its reply streams."""
+        proc = await asyncio.create_subprocess_exec(
+            *(str(self.exe), "-p", "--continue", message),
+            env=self._env(LONG_REPLY),
+            cwd=self.settings.home,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            exited = asyncio.create_task(proc.wait())
+            stop = asyncio.create_task(_after_replying(replying))
+            await asyncio.wait(
+                (exited, stop), timeout=TURN_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+            )
+            stop.cancel()
+            if proc.returncode is not None:
+                return f"claude exited ({proc.returncode}) before it was interrupted"
+            proc.send_signal(signal.SIGINT)
+            await asyncio.wait((exited,), timeout=30)
+            return None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
     async def close(self) -> None:
         return None
@@ -247,6 +335,11 @@ class AiderDriver:
 
     async def close(self) -> None:
         return None
+
+
+async def _after_replying(replying: asyncio.Event) -> None:
+    await replying.wait()
+    await asyncio.sleep(INTERRUPT_AFTER)
 
 
 def make_driver(name: str, settings: Settings, exe: Path | None) -> Driver:

@@ -22,16 +22,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvproxy.keys import shared_prefix
-from kvproxy_bench import agentclients
+from kvproxy_bench import agentcases, agentclients
+from kvproxy_bench.agentcases import CASES, TARGETS, Case
 from kvproxy_bench.agentdrivers import CLIENTS, LABELS, PACKAGES, SDK, Driver, Settings, make_driver
+from kvproxy_bench.agentrecord import AgentsResult as AgentsResult
+from kvproxy_bench.agentrecord import Row as Row
+from kvproxy_bench.agentrecord import record_turn, take_every_slot
 from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, make_arm
 from kvproxy_bench.client import Client
-from kvproxy_bench.dialogues import first_turn
-from kvproxy_bench.exchanges import Record, read
 from kvproxy_bench.report import pct, progress, table
 from kvproxy_bench.tap import Tap
 from kvproxy_bench.targets import Check
@@ -88,35 +89,8 @@ class AgentsOptions:
     evict_facts: int = 30  # size of each conversation that takes a slot
     proxy_args: tuple[str, ...] = ()
     new_sessions: bool = True  # the plan's last four steps (False: a shorter run, the tests)
-
-
-@dataclass
-class Row:
-    client: str
-    arm: str
-    turn: str
-    request: int  # 1, 2, … within the turn
-    decision: str
-    cache_n: int
-    prompt_n: int
-    ideal: int | None  # None: nothing earlier to reuse (the first request)
-    error: str | None = None
-    evaluated: int = 0  # X-KVProxy-Evaluated-Tokens: in cache_n, prefilled meanwhile
-
-    @property
-    def presented(self) -> int:
-        return self.cache_n + self.prompt_n
-
-
-@dataclass
-class AgentsResult:
-    options: dict[str, Any]
-    rows: list[Row] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # client → why it did not run
-    failures: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    cases: tuple[str, ...] = CASES  # agentcases.py's, after the plan
+    plan: bool = True  # False: the cases only
 
 
 def choose_clients(opts: AgentsOptions) -> tuple[dict[str, Any], dict[str, str]]:
@@ -151,7 +125,7 @@ async def run_agents(env: BenchEnv, opts: AgentsOptions) -> AgentsResult:
     env = dataclasses.replace(env, server_args=[*env.server_args, "-n", str(opts.max_output)])
     client = Client()
     try:
-        for name, exe in chosen.items():
+        for name, exe in chosen.items() if opts.plan else ():
             for arm_name in opts.arms:
                 arm = make_arm(arm_name, env, opts.slots, opts.ctx_per_slot, list(opts.proxy_args))
                 progress(f"agents: {LABELS[name]} through {arm_name}")
@@ -166,6 +140,8 @@ async def run_agents(env: BenchEnv, opts: AgentsOptions) -> AgentsResult:
                     finally:
                         await driver.close()
                         await tap.stop()
+        for case in opts.cases:
+            await agentcases.run_case(client, Case(case), chosen, env, opts, result)
     finally:
         await client.close()
     return result
@@ -183,7 +159,7 @@ async def _run_plan(
     for step in PLAN if opts.new_sessions else PLAN[:5]:
         if step.action is Action.EVICT:
             evictions += 1
-            await _take_every_slot(client, arm.url, opts, evictions)
+            await take_every_slot(client, arm.url, opts.slots, opts.evict_facts, evictions)
             continue
         if step.action is Action.RESTART:
             progress(f"  restarting {arm.name}")
@@ -195,56 +171,7 @@ async def _run_plan(
             result.failures.append(
                 f"{LABELS[driver.name]} ({arm.name}) turn {step.label}: {failed}"
             )
-        records = [read(ex) for ex in tap.take()]
-        for i, record in enumerate(records, 1):
-            ideal = await _ideal(client, arm.url, record, history)
-            row = Row(
-                driver.name,
-                arm.name,
-                step.label,
-                i,
-                record.decision,
-                record.cache_n,
-                record.prompt_n,
-                ideal,
-                record.error,
-                record.evaluated,
-            )
-            result.rows.append(row)
-            progress(
-                f"  {LABELS[driver.name]} turn {step.label}.{i}: {row.decision} "
-                f"{row.cache_n}/{row.presented} from cache, ideal {row.ideal}"
-                + (f" ERROR {row.error}" if row.error else "")
-            )
-
-
-async def _take_every_slot(client: Client, url: str, opts: AgentsOptions, round_: int) -> None:
-    """As many other conversations as there are slots, all at once, so each holds a slot of
-    its own: whatever a slot held goes to disk (kvproxy) or is overwritten (the server
-    alone). One after another would not do: kvproxy gives the second the first one's slot
-    when that is the better one to lose."""
-    bodies = [first_turn(100 + 10 * round_ + k, opts.evict_facts) for k in range(opts.slots)]
-    replies = await asyncio.gather(*(client.chat(url, messages, 4) for messages in bodies))
-    for reply in replies:
-        if reply.error:
-            raise RuntimeError(f"an evicting conversation failed: {reply.error}")
-
-
-async def _ideal(client: Client, url: str, record: Record, history: list[list[int]]) -> int | None:
-    """The longest common token prefix of this request's prompt with anything an earlier
-    request left: its prompt, or its prompt + reply (the template's rendering of the
-    conversation ending in the reply). Then this request joins the history."""
-    if not record.prompt:
-        return None
-    fields = {k: v for k, v in record.prompt.items() if k != "messages"}
-    messages = record.prompt["messages"]
-    now = await client.prompt_tokens(url, messages, True, **fields)
-    ideal = max((shared_prefix(now, earlier) for earlier in history), default=None)
-    history.append(now)
-    if record.reply:
-        full = [*messages, record.reply]
-        history.append(await client.prompt_tokens(url, full, False, **fields))
-    return ideal
+        await record_turn(client, arm.url, tap, driver.name, arm.name, step.label, history, result)
 
 
 # --- the tables
@@ -265,6 +192,14 @@ counted by its `/tokenize`); for a new session that is what it shares with the e
 (the system prompt and tools). What a client rewrites itself is beyond any cache: it lowers
 the ideal, not the % of ideal. kvproxy may exceed 100% where its canonical prefix also holds
 the end-of-turn markup after the reply.
+
+Then three cases, each on fresh processes (`--cases` picks them): **interrupted** — Claude
+Code stopped with Ctrl-C two seconds into a long reply, the OpenAI SDK loop's stream closed
+likewise, then the next turn; **date change** — a ~1,400-token system prompt with a
+`Current date:` line ~400 tokens before its end, the next day's new session after other
+conversations took both slots (its ideal is the unchanged head); **two agents** — two
+clients' sessions interleaved, a third plain conversation between every turn (three
+conversations, two slots).
 """
 
 
@@ -363,7 +298,7 @@ def markdown(result: AgentsResult) -> str:
 # --- the command line and the targets
 
 
-def options(given: dict[str, Any], clients: str | None) -> AgentsOptions:
+def options(given: dict[str, Any], clients: str | None, cases: str | None = None) -> AgentsOptions:
     """The options from `kvproxy bench agents` flags (those given; the rest keep defaults)."""
     opts = AgentsOptions(**given)
     if clients is not None:
@@ -372,6 +307,8 @@ def options(given: dict[str, Any], clients: str | None) -> AgentsOptions:
         if unknown:
             raise SystemExit(f"kvproxy bench: unknown client(s) {unknown}; known: {list(CLIENTS)}")
         opts.clients = names
+    if cases is not None:
+        opts.cases = agentcases.parse_cases(cases)
     return opts
 
 
@@ -390,7 +327,7 @@ def checks(result: AgentsResult) -> list[Check]:
         if row.ideal is not None and row.ideal >= WORTH_JUDGING:
             first.setdefault((row.client, row.arm, row.turn), row)
     out = []
-    for client in dict.fromkeys(r.client for r in result.rows):
+    for client in dict.fromkeys(r.client for r in result.rows) if opts.plan else ():
         for turn, bar in [*((t, 0.99) for t in LATER), *((t, 0.95) for t in NEW_SESSIONS)]:
             r = first.get((client, KVPROXY, turn))
             value = pct_of_ideal(credited(r), r.ideal) if r else None
@@ -406,4 +343,24 @@ def checks(result: AgentsResult) -> list[Check]:
                     None if value is None else value >= bar,
                 )
             )
+    return out + _case_checks(result, first)
+
+
+def _case_checks(result: AgentsResult, first: dict[tuple[str, str, str], Row]) -> list[Check]:
+    """The cases' targets, for each client that ran the case through kvproxy."""
+    ran = dict.fromkeys(
+        (r.client, r.turn) for r in result.rows if r.arm == KVPROXY and r.turn in TARGETS
+    )
+    out = []
+    for client, turn in ran:
+        bar = TARGETS[turn]
+        r = first.get((client, KVPROXY, turn))
+        value = pct_of_ideal(credited(r), r.ideal) if r else None
+        measured = (
+            "not measured"
+            if r is None or value is None
+            else f"{100 * value:.1f}% ({credited(r):,} of {r.ideal:,}; {r.decision})"
+        )
+        met = None if value is None else value >= bar
+        out.append(Check(f"agents: {LABELS[client]} {turn} ≥ {bar:.0%} of ideal", measured, met))
     return out

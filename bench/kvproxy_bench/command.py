@@ -154,8 +154,11 @@ async def _run(args: argparse.Namespace) -> int:
                 res = await servers.run_servers(env, sopts)
                 text = servers.markdown(res)
             elif name == "agents":
-                aopts = agents.options(_given(args, "max_output", "ctx_per_slot"), args.clients)
+                aopts = agents.options(
+                    _given(args, "max_output", "ctx_per_slot"), args.clients, args.cases
+                )
                 aopts.install = args.install
+                aopts.plan = args.plan
                 if args.arms is not None:
                     aopts.arms = arms_of(args.arms)
                 res = await agents.run_agents(env, aopts)

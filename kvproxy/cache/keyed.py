@@ -154,6 +154,14 @@ class Conversations:
         try:
             try:
                 prepared = await lease.guarded(self.preparer.prepare_or_miss(slot, conv))
+            except asyncio.CancelledError:
+                # Gone while kvproxy readied its slot (a restore, an opening's evaluation,
+                # which go on): nothing was served, and the request is reported as such.
+                waited = time.perf_counter() - started
+                event = RequestEvent(request.path, Decision.MISS, CLIENT_CLOSED, key=conv.keys[-1])
+                event.slot, event.queue_wait_s, event.duration_s = slot.id, times[1], waited
+                self.events.request(event)
+                raise
             except UpstreamError as exc:
                 # The slot may hold another tenant's tokens and could not be erased.
                 return unreachable_response(exc)

@@ -53,7 +53,9 @@ class Lane:
             got, _ = await self.pool.acquire(wanted=slot_id)
             try:
                 await self.work.verify(got)
-                await self.work.save(got)
+                # A slot that was busy is judged now that its work has ended.
+                if self.work.worth_saving(got):
+                    await self.work.save(got)
             finally:
                 self.pool.release(got)
 

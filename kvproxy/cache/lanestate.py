@@ -40,3 +40,14 @@ def _tenant(occupant: str | None) -> str | None:
     if occupant is None or occupant in (ANYONE, NOBODY):
         return None
     return occupant[:8]
+
+
+def unsaved(slot: Slot) -> str:
+    """A slot not saved at shutdown, as the log names it."""
+    held = slot.holding
+    if slot.busy:
+        doing = slot.action or "a prefill or reply"
+        return f"slot {slot.id} (busy: {doing} under way{f', {held.key[:12]}' if held else ''})"
+    return (
+        f"slot {slot.id} ({held.key[:12]}, {held.n_tokens} tokens)" if held else f"slot {slot.id}"
+    )

@@ -50,9 +50,14 @@ class Background:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    async def wait(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Until every task is done, or `timeout` seconds passed: the tasks go on then (a
+        wait_for around a gather would cancel them, and with them what kvproxy knows of the
+        slots they hold). True when all are done."""
+        if not self._tasks:
+            return True
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        return not pending
 
 
 def _kind_of(coro: object) -> str:

@@ -29,14 +29,14 @@ from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.lane import Lane, make_lane
-from kvproxy.cache.lanestate import backend_state, slot_state
+from kvproxy.cache.lanestate import backend_state, slot_state, unsaved
 from kvproxy.cache.leases import Background
 from kvproxy.cache.models import find_models
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
 from kvproxy.cache.router import Router
 from kvproxy.cache.slotio import SlotWork
-from kvproxy.cache.slots import SlotPool
+from kvproxy.cache.slots import Slot, SlotPool
 from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
@@ -264,8 +264,9 @@ class ConversationCache:
 
     async def stop(self, budget: float | None = None) -> None:
         """Save what would be lost, within `budget` seconds (the settings' shutdown deadline
-        by default): a slot still busy (a long prefill) or a save not done by then is named
-        in the log, and lost."""
+        by default): first the slots nobody is using (each a quick save), then, once the
+        work under way ends (a save, a long prefill), the others. A slot still busy or not
+        saved by then is named in the log, and lost."""
         began = time.monotonic()
         budget = self.settings.shutdown_timeout if budget is None else budget
         for lane in self.lanes:
@@ -274,49 +275,49 @@ class ConversationCache:
             self._housekeeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeper
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.background.wait(), max(0.0, budget / 2))
-        if not self.store.ready:
+        lanes = [lane for lane in self.lanes if lane.backend.enabled]
+        if not lanes or not self.store.ready:
+            await self.background.wait(max(0.0, budget / 2))
             await asyncio.to_thread(self.store.close)
             return
-        # Every server saves its own slots at the same time: the deadline is the whole stop's.
-        remaining = budget - (time.monotonic() - began)
+        deadline = began + budget
+        # Every server at once: first the slots nobody uses, then, once the work under way
+        # has ended, the others.
+        await asyncio.gather(
+            *(
+                self._save_all(lane, [s for s in lane.pool.slots if not s.busy], deadline)
+                for lane in lanes
+            )
+        )
+        await self.background.wait(max(0.0, deadline - time.monotonic()))
         lost = [
             name
             for names in await asyncio.gather(
-                *(self._save_lane(lane, remaining) for lane in self.lanes if lane.backend.enabled)
+                *(self._save_all(lane, lane.pool.slots, deadline) for lane in lanes)
             )
             for name in names
         ]
         if lost:
-            log.warning(
-                "shutdown deadline (%.0f s) passed: not saved, lost: %s", budget, ", ".join(lost)
-            )
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.background.wait(), 1.0)
+            log.warning("not saved by the shutdown deadline, lost: %s", ", ".join(lost))
+        await self.background.wait(1.0)
         await self.write_habits()
         await asyncio.to_thread(self.store.close)
 
-    async def _save_lane(self, lane: Lane, budget: float) -> list[str]:
-        """Save one server's unsaved slots within `budget` seconds; what was not saved."""
-        began = time.monotonic()
+    async def _save_all(self, lane: Lane, slots: list[Slot], deadline: float) -> list[str]:
+        """Save each of one server's `slots` worth saving, by `deadline`; what was not,
+        named."""
         lost = []
         where = f" on {lane.name}" if len(self.lanes) > 1 else ""
-        for slot in lane.pool.slots:
-            if not lane.work.worth_saving(slot):
+        for slot in slots:
+            if not slot.busy and not lane.work.worth_saving(slot):
                 continue
-            remaining = budget - (time.monotonic() - began)
+            remaining = deadline - time.monotonic()
             try:
                 if remaining <= 0:
                     raise TimeoutError
                 await asyncio.wait_for(lane.save_slot(slot.id), remaining)
             except TimeoutError:
-                held = slot.holding
-                lost.append(
-                    f"slot {slot.id}{where} ({held.key[:12]}, {held.n_tokens} tokens)"
-                    if held
-                    else f"slot {slot.id}{where}"
-                )
+                lost.append(unsaved(slot) + where)
         return lost
 
     async def write_habits(self) -> None:

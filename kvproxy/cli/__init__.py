@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,10 @@ LLAMA_LOGGER = "llama-server"  # llama-server's own lines, relayed (managed.py)
 # other command loads them. `serve` imports the proxy (aiohttp, whose import alone loads the
 # system's CA certificates twice) when it runs: `kvproxy ls` needs none of it.
 SUBCOMMANDS = ("kvproxy.cli.doctor", "kvproxy.cli.inventory", "kvproxy.cli.bench")
+
+# At SIGTERM, saving ends this long before --shutdown-timeout (at most a quarter of it): time
+# to stop the managed server and write the last log lines.
+STOP_RESERVE_S = 3.0
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 LLAMA_LOG_FORMAT = "%(asctime)s   llama-server| %(message)s"
@@ -107,7 +112,7 @@ async def serve(settings: Settings) -> int:
     from aiohttp import web
 
     from kvproxy.cli.display import Ticker
-    from kvproxy.edge.app import build_app
+    from kvproxy.edge.app import SERVICE, build_app
     from kvproxy.edge.listen import listen, runner_options
     from kvproxy.server import leftover
     from kvproxy.server.fleet import Fleet
@@ -166,9 +171,10 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     app = build_app(settings, upstream_urls)
-    # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off.
+    # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off:
+    # aiohttp waits its shutdown_timeout for them to end, then as long again once cancelled.
     runner = web.AppRunner(
-        app, **runner_options(settings), shutdown_timeout=settings.shutdown_timeout / 3
+        app, **runner_options(settings), shutdown_timeout=settings.shutdown_timeout / 6
     )
     try:
         await runner.setup()
@@ -214,6 +220,9 @@ async def serve(settings: Settings) -> int:
         exit_code = 1
     else:
         log.info("shutting down: saving slots, then stopping")
+    stop_by = time.monotonic() + settings.shutdown_timeout
+    # Saving ends early enough to stop the managed server and say what was not saved.
+    app[SERVICE].stop_by = stop_by - min(STOP_RESERVE_S, settings.shutdown_timeout / 4)
     try:
         await asyncio.wait_for(runner.cleanup(), settings.shutdown_timeout)
     except TimeoutError:
@@ -229,7 +238,7 @@ async def serve(settings: Settings) -> int:
         atexit._run_exitfuncs()  # the log writer's last lines
         os._exit(exit_code)
     if fleet is not None:
-        await fleet.stop()
+        await fleet.stop(grace=max(1.0, stop_by - time.monotonic()))
     return exit_code
 
 

@@ -83,6 +83,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _common(p)
     p.add_argument("--clients", help="comma-separated: sdk,codex,claude,openclaw (installed)")
     p.add_argument("--install", action="store_true", help="install the missing agents first")
+    p.add_argument(
+        "--cases",
+        help="comma-separated: interrupted,date-change,two-agents (default all; none: plan only)",
+    )
+    p.add_argument("--no-plan", dest="plan", action="store_false", help="the cases only")
     p.add_argument("--max-output", type=int, help="reply cap, tokens")
     p.add_argument("--ctx-size", type=int, dest="ctx_per_slot", help="context per slot")
     p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")

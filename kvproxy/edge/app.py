@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -66,6 +67,9 @@ class Service:
         self.cache = ConversationCache(settings, self.upstreams, self.events)
         self.metrics.watch(self.cache)
         self.recent = Recent()  # what the status page shows of the last requests
+        # time.monotonic() by which saving at shutdown must end (kvproxy serve sets it at
+        # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
+        self.stop_by: float | None = None
         self.events.listeners += [self.metrics, RequestLog(), self.recent]
         chat = ChatAdapter(settings.keep_reasoning)
         # Routes the cache keys, each with the adapter that reads its wire format.
@@ -95,11 +99,18 @@ class Service:
 
     async def stop(self) -> None:
         try:
-            # Requests in flight had a third of the deadline (kvproxy serve's AppRunner).
-            await self.cache.stop(self.settings.shutdown_timeout * 0.6)
+            await self.cache.stop(self.save_budget())
         finally:
             for upstream in self.upstreams:
                 await upstream.close()
+
+    def save_budget(self) -> float:
+        """What is left for saving slots: until `stop_by` when kvproxy serve set it (the
+        requests in flight took their part of the deadline, however long), else the part
+        after the requests' third, with room to stop."""
+        if self.stop_by is None:
+            return self.settings.shutdown_timeout * 0.6
+        return max(0.0, self.stop_by - time.monotonic())
 
 
 SERVICE = web.AppKey("service", Service)
