@@ -94,6 +94,9 @@ class ChaosOptions:
     full_disk: bool = False
     disk_mib: int = 1024
     full_for: int = 20
+    # llama-servers behind the one kvproxy (sharing its cache dir); a server fault kills one
+    # of them in turn, with requests in flight on it and the others serving.
+    servers: int = 1
     timing_pairs: int = 0  # cross-tenant timing probes after the workload (chaos_tenants.py)
 
 
@@ -225,8 +228,7 @@ class SidecarProxy(ProxyArm):
             "-m",
             "kvproxy.cli",
             "serve",
-            "--upstream",
-            self.rig.server_url,
+            *(arg for url in self.rig.server_urls for arg in ("--upstream", url)),
             "--cache-dir",
             str(self.cache_dir),
             "--port",
@@ -265,36 +267,56 @@ class Rig:
         self.env = env
         self.opts = opts
         self.cache_dir = cache_dir or env.new_dir("chaos-cache")
-        self.server_port = free_port()
-        self.proxy_port = free_port(avoid=self.server_port)
-        self.server_url = f"http://127.0.0.1:{self.server_port}"
-        self.server: ManagedServer | None = None
+        self.server_ports: list[int] = []
+        while len(self.server_ports) < opts.servers:
+            port = free_port()
+            if port not in self.server_ports:
+                self.server_ports.append(port)
+        self.proxy_port = free_port(avoid=self.server_ports[0])
+        self.server_urls = [f"http://127.0.0.1:{port}" for port in self.server_ports]
+        # The first server: the reference answers and direct probes go there.
+        self.server_url = self.server_urls[0]
+        self.servers: list[ManagedServer | None] = [None] * opts.servers
+        self.server_kills = 0
         self.proxy = SidecarProxy(env, self, opts)
         self.proxy_up = asyncio.Event()  # kvproxy answers
         self.disk_full = False  # the cache dir's filesystem is full (chaos_disk.py)
         self.proxy_kills = 0
         self.all_up = asyncio.Event()  # and so does the server behind it
 
-    async def start_server(self) -> None:
-        cmd = server_command(
-            self.env.binary,
-            self.env.model,
-            self.server_port,
-            self.cache_dir,
-            self.opts.slots,
-            self.opts.ctx_per_slot,
-            None,
-            [*self.env.common_flags(), "--cache-ram", "0"],
-        )
-        self.server = ManagedServer(cmd, self.server_port, log_path=self.env.workdir / "server.log")
-        await self.server.start(self.env.start_timeout)
+    @property
+    def server(self) -> ManagedServer | None:
+        return self.servers[0]
 
-    async def kill_server(self) -> None:
-        proc = self.server.process if self.server is not None else None
+    async def start_server(self, which: int | None = None) -> None:
+        """Start one server (`which`), or every one."""
+        for i in range(len(self.servers)) if which is None else (which,):
+            cmd = server_command(
+                self.env.binary,
+                self.env.model,
+                self.server_ports[i],
+                self.cache_dir,
+                self.opts.slots,
+                self.opts.ctx_per_slot,
+                None,
+                [*self.env.common_flags(), "--cache-ram", "0"],
+            )
+            log_path = self.env.workdir / ("server.log" if i == 0 else f"server{i}.log")
+            server = ManagedServer(cmd, self.server_ports[i], log_path=log_path)
+            self.servers[i] = server
+            await server.start(self.env.start_timeout)
+
+    async def kill_server(self) -> int:
+        """SIGKILL the next server in turn; which one it was."""
+        which = self.server_kills % len(self.servers)
+        self.server_kills += 1
+        server = self.servers[which]
+        proc = server.process if server is not None else None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             await proc.wait()
+        return which
 
     async def start(self) -> None:
         await asyncio.to_thread(self.cache_dir.mkdir, 0o700, True, True)
@@ -313,15 +335,15 @@ class Rig:
             await self.proxy.start()
             self.proxy_up.set()
         else:
-            await self.kill_server()
-            await self.start_server()
+            await self.start_server(await self.kill_server())
             await self.proxy.ready()
         self.all_up.set()
 
     async def stop(self) -> None:
         await self.proxy.stop()
-        if self.server is not None:
-            await self.server.stop()
+        for server in self.servers:
+            if server is not None:
+                await server.stop()
 
 
 class Chaos:
@@ -671,7 +693,8 @@ class Chaos:
         """Both processes restarted (kvproxy saving every slot first): every conversation's
         next turn must come from disk."""
         await self.rig.proxy.stop()
-        await self.rig.kill_server()
+        for _ in self.rig.servers:
+            await self.rig.kill_server()
         await self.rig.start_server()
         await self.rig.proxy.start()
         for convo in self.convos:

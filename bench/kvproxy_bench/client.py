@@ -108,7 +108,9 @@ class Client:
         `add_special` as the server tokenises prompts (BOS included)."""
         body = {**template, "messages": messages, "add_generation_prompt": add_generation_prompt}
         rendered = await self.post_json(base + "/apply-template", body)
+        # A router routes every POST by its "model": the tokenising goes to the same one.
+        named = {"model": template["model"]} if "model" in template else {}
         tokens = await self.post_json(
-            base + "/tokenize", {"content": rendered["prompt"], "add_special": True}
+            base + "/tokenize", {**named, "content": rendered["prompt"], "add_special": True}
         )
         return [int(t) for t in tokens["tokens"]]

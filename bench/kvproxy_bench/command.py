@@ -1,5 +1,5 @@
-"""`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical
-and servers (not in `all`). The flags are defined in kvproxy/cli/bench.py (parsing them
+"""`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical,
+servers, swaps and fleet (not in `all`). The flags are defined in kvproxy/cli/bench.py (parsing them
 imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
@@ -128,7 +128,7 @@ async def _run(args: argparse.Namespace) -> int:
                 flags = (
                     *("seed", "requests", "faults", "duration", "clients", "tenants"),
                     *("conversations", "slow_clients", "latency_requests", "full_disk"),
-                    *("disk_mib", "full_for", "timing_pairs"),
+                    *("disk_mib", "full_for", "timing_pairs", "servers"),
                 )
                 copts = chaos.ChaosOptions(**_given(args, *flags))
                 res = await chaos.run_chaos(env, copts)
@@ -153,6 +153,12 @@ async def _run(args: argparse.Namespace) -> int:
                 sopts.direct = not args.no_direct
                 res = await servers.run_servers(env, sopts)
                 text = servers.markdown(res)
+            elif name == "swaps":
+                from kvproxy_bench import swaps
+
+                wsopts = swaps.SwapsOptions(**_given(args, "turns", "prompt_tokens"))
+                res = await swaps.run_swaps(env, wsopts)
+                text = swaps.markdown(res)
             elif name == "agents":
                 aopts = agents.options(
                     _given(args, "max_output", "ctx_per_slot"), args.clients, args.cases

@@ -78,6 +78,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--disk-mib", type=int, help="the cache dir's tmpfs for --full-disk")
     p.add_argument("--full-for", type=int, help="answered requests the disk stays full")
     p.add_argument("--timing-pairs", type=int, help="cross-tenant timing probes at the end")
+    p.add_argument(
+        "--servers", type=int, help="llama-servers behind kvproxy (a server fault kills one)"
+    )
 
     p = scenarios.add_parser("agents", help="the real agents' turns: kvproxy vs the server alone")
     _common(p)
@@ -103,6 +106,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--slots", type=int, help="slots per server")
     p.add_argument("--prompt-tokens", type=int, help="system prompt")
     p.add_argument("--no-direct", action="store_true", help="leave out llama-server alone")
+
+    p = scenarios.add_parser(
+        "swaps", help="two models on one router (--models-max 1), turns alternating"
+    )
+    _common(p)
+    p.add_argument("--turns", type=int, help="turns per conversation")
+    p.add_argument("--prompt-tokens", type=int, help="system prompt")
 
     p = scenarios.add_parser("canonical", help="a save's canonical-prefix step, by size")
     _common(p)
