@@ -120,7 +120,13 @@ async def serve(settings: Settings) -> int:
     from kvproxy.edge.app import RUNNER_OPTIONS, build_app
     from kvproxy.server import leftover
     from kvproxy.server.fleet import Fleet
-    from kvproxy.server.managed import ManagedServer, find_server_binary, free_port, resolve_model
+    from kvproxy.server.managed import (
+        ManagedServer,
+        find_server_binary,
+        free_port,
+        ram_cache_off,
+        resolve_model,
+    )
     from kvproxy.server.managed import server_command as build_server_command
     from kvproxy.server.modelinfo import read_model_info
 
@@ -145,6 +151,7 @@ async def serve(settings: Settings) -> int:
             # KV memory: every layer keeps the whole context instead of the window.
             log.info("%s is a sliding-window model: adding --swa-full", info.architecture)
             extra.append("--swa-full")
+        extra = ram_cache_off(extra, os.environ)
         ports: list[int] = []
         while len(ports) < settings.servers:
             port = free_port(avoid=settings.port)

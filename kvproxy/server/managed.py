@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -89,6 +90,22 @@ def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
             port = int(sock.getsockname()[1])
         if port != avoid:
             return port
+
+
+RAM_CACHE_FLAGS = ("--cache-ram", "-cram")
+
+
+def ram_cache_off(extra: list[str], environ: Mapping[str, str]) -> list[str]:
+    """llama-server's flags with its RAM prompt cache off, unless the user sized it (a flag,
+    or `LLAMA_ARG_CACHE_RAM`). Behind kvproxy every request is pinned to a slot that already
+    holds its conversation (restored first), and the server reads its RAM cache only when a
+    pinned slot holds another prompt; it still copies every idle slot's state into it
+    whenever a task starts (`--cache-idle-slots`), on the loop every slot shares, and keeps
+    up to 8 GiB of host memory for it (server-context.cpp)."""
+    given = any(a in RAM_CACHE_FLAGS or a.startswith("--cache-ram=") for a in extra)
+    if given or "LLAMA_ARG_CACHE_RAM" in environ:
+        return list(extra)
+    return [*extra, "--cache-ram", "0"]
 
 
 def server_command(
