@@ -119,12 +119,21 @@ class Arm:
 class DirectArm(Arm):
     """llama-server alone, with (`ram_cache`) or without its RAM prompt cache."""
 
-    def __init__(self, env: BenchEnv, slots: int, ctx_per_slot: int, ram_cache: bool) -> None:
+    def __init__(
+        self,
+        env: BenchEnv,
+        slots: int,
+        ctx_per_slot: int,
+        ram_cache: bool,
+        cache_ram_mib: int | None = None,  # the RAM cache's size; None: the server's default
+        name: str | None = None,
+    ) -> None:
         self.env = env
-        self.name = DIRECT_RAM_CACHE if ram_cache else DIRECT_NO_CACHE
+        self.name = name or (DIRECT_RAM_CACHE if ram_cache else DIRECT_NO_CACHE)
         self.slots = slots
         self.ctx_per_slot = ctx_per_slot
         self.ram_cache = ram_cache
+        self.cache_ram_mib = cache_ram_mib
         self.cache_dir = env.new_dir("ram" if ram_cache else "nocache")
         self.server: ManagedServer | None = None
         self.url = ""
@@ -133,6 +142,8 @@ class DirectArm(Arm):
         extra = self.env.common_flags()
         if not self.ram_cache:
             extra += ["--cache-ram", "0"]
+        elif self.cache_ram_mib is not None:
+            extra += ["--cache-ram", str(self.cache_ram_mib)]
         return server_command(
             self.env.binary,
             self.env.model,
@@ -159,7 +170,8 @@ class DirectArm(Arm):
 
 class ProxyArm(Arm):
     """`kvproxy serve --model M` (managed mode) as a subprocess: kvproxy starts llama-server
-    with `--cache-ram 0`, and a restart stops both processes (slots saved on SIGTERM)."""
+    with `--cache-ram 0` (or `server_cache_ram_mib`: the server's RAM cache as a first tier),
+    and a restart stops both processes (slots saved on SIGTERM)."""
 
     def __init__(
         self,
@@ -167,9 +179,12 @@ class ProxyArm(Arm):
         slots: int,
         ctx_per_slot: int,
         proxy_args: list[str] | None = None,
+        server_cache_ram_mib: int = 0,
+        name: str = KVPROXY,
     ) -> None:
         self.env = env
-        self.name = KVPROXY
+        self.name = name
+        self.server_cache_ram_mib = server_cache_ram_mib
         self.slots = slots
         self.ctx_per_slot = ctx_per_slot
         self.proxy_args = list(proxy_args or [])
@@ -200,7 +215,7 @@ class ProxyArm(Arm):
             "--",
             *self.env.common_flags(),
             "--cache-ram",
-            "0",
+            str(self.server_cache_ram_mib),
         ]
 
     async def start(self) -> None:

@@ -60,12 +60,12 @@ def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def arms_of(text: str) -> tuple[str, ...]:
+def arms_of(text: str, flags: dict[str, str] = ARM_FLAGS) -> tuple[str, ...]:
     names = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in names if a not in ARM_FLAGS]
+    unknown = [a for a in names if a not in flags]
     if unknown:
-        raise SystemExit(f"kvproxy bench: unknown arm(s) {unknown}; known: {list(ARM_FLAGS)}")
-    return tuple(ARM_FLAGS[a] for a in names)
+        raise SystemExit(f"kvproxy bench: unknown arm(s) {unknown}; known: {list(flags)}")
+    return tuple(flags[a] for a in names)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -108,6 +108,16 @@ async def _run(args: argparse.Namespace) -> int:
                 res: Any = await workload.run_workload(env, wopts)
                 text = workload.markdown(res)
                 checks += targets.workload_checks(res)
+            elif name == "fleet":
+                from kvproxy_bench import fleet
+
+                fopts = fleet.FleetOptions(
+                    **_given(args, "conversations", "turns", "slots", "prompt_tokens", "max_tokens")
+                )
+                if args.arms is not None:
+                    fopts.arms = arms_of(args.arms, fleet.FLEET_ARM_FLAGS)
+                res = await fleet.run_fleet(env, fopts)
+                text = fleet.markdown(res)
             elif name == "restore":
                 ropts = restore.RestoreOptions(sizes=_sizes(args))
                 if args.scenario == "restore" and args.repeats is not None:

@@ -147,7 +147,7 @@ async def run_workload(env: BenchEnv, opts: WorkloadOptions) -> WorkloadResult:
                 arm = make_arm(arm_name, env, opts.slots, opts.ctx_per_slot, list(opts.proxy_args))
                 progress(f"workload: {case_label(case, opts)}: {arm_name}")
                 async with arm:
-                    await _run_case(client, arm, case, opts, result)
+                    await run_case(client, arm, case, opts, result)
                     if isinstance(arm, ProxyArm):
                         result.proxy_stats[f"{case}/{arm_name}"] = await arm.stats()
     finally:
@@ -155,7 +155,7 @@ async def run_workload(env: BenchEnv, opts: WorkloadOptions) -> WorkloadResult:
     return result
 
 
-async def _run_case(
+async def run_case(
     client: Client, arm: Arm, case: str, opts: WorkloadOptions, result: WorkloadResult
 ) -> None:
     n = opts.slots if case == RESIDENT else opts.conversations

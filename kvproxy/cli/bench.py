@@ -36,6 +36,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--restart", action="store_true", help="add the case with restarts")
     p.add_argument("--arms", help="comma-separated: no-cache, ram-cache, kvproxy")
 
+    p = scenarios.add_parser(
+        "fleet", help="agent conversations beyond the server's RAM cache, through few slots"
+    )
+    _common(p)
+    p.add_argument("--conversations", type=int, help="N (default 16)")
+    p.add_argument("--turns", type=int, help="T (default 3)")
+    p.add_argument("--slots", type=int, help="S (default 2)")
+    p.add_argument("--prompt-tokens", type=int, help="system prompt of each (default 3000)")
+    p.add_argument("--max-tokens", type=int, help="reply length")
+    p.add_argument(
+        "--arms", help="comma-separated: no-cache, ram-starved, ram-room, kvproxy, kvproxy-ram"
+    )
+
     p = scenarios.add_parser("restore", help="TTFT restored vs re-prefilled, by size")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="largest size (1k, 2k, … up to it)")
