@@ -193,14 +193,17 @@ class ProxyArm(Arm):
         self.proc = LoggedProcess(self.log_path)
         self.url = ""
 
+    def model_args(self) -> list[str]:
+        """What kvproxy serves: the benchmark's model."""
+        return ["--model", str(self.env.model)]
+
     def command(self, port: int) -> list[str]:
         return [
             sys.executable,
             "-m",
             "kvproxy.cli",
             "serve",
-            "--model",
-            str(self.env.model),
+            *self.model_args(),
             "--server-bin",
             str(self.env.binary),
             "--slots",
@@ -234,13 +237,17 @@ class ProxyArm(Arm):
                     tail = await asyncio.to_thread(_tail, self.log_path)
                     raise RuntimeError(f"kvproxy exited with {self.proc.exited}:\n{tail}")
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                    async with session.get(self.url + "/kvproxy/stats") as resp:
-                        if resp.status == 200 and (await resp.json()).get("enabled"):
-                            return
+                    if await self.answers(session):
+                        return
                 if time.monotonic() > deadline:
                     await self.stop()
                     raise RuntimeError(f"kvproxy not ready after {self.env.start_timeout:g}s")
                 await asyncio.sleep(0.2)
+
+    async def answers(self, session: aiohttp.ClientSession) -> bool:
+        """The proxy answers and its cache is on (it found the server's slots)."""
+        async with session.get(self.url + "/kvproxy/stats") as resp:
+            return resp.status == 200 and bool((await resp.json()).get("enabled"))
 
     async def stats(self) -> dict[str, Any]:
         async with (

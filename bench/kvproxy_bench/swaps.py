@@ -13,22 +13,18 @@ counted after each timed request on the model it used (no swap in between).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from kvproxy.keys import shared_prefix
 from kvproxy.server.managed import ManagedServer, free_port, router_command
 from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, ProxyArm
 from kvproxy_bench.client import Client
 from kvproxy_bench.dialogues import facts_for, first_turn, next_turn
 from kvproxy_bench.report import pct, progress, table
-from kvproxy_bench.workload import OTHER_MESSAGES
+from kvproxy_bench.workload import _reusable
 
 MODELS = ("coder", "chat")  # conversation 1 on the first, 2 on the second
 
@@ -116,48 +112,14 @@ class RouterProxyArm(ProxyArm):
         super().__init__(env, opts.slots, opts.ctx_per_slot)
         self.models = models
 
-    async def _wait_ready(self) -> None:
-        """Ready once kvproxy answers /health: a router loads no model before a request
-        names one, so no model's slots are known before (the stats' `enabled`)."""
-        deadline = time.monotonic() + self.env.start_timeout
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-            while True:
-                if self.proc.exited is not None:
-                    raise RuntimeError(f"kvproxy exited with {self.proc.exited}")
-                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                    async with session.get(self.url + "/health") as resp:
-                        if resp.status == 200:
-                            return
-                if time.monotonic() > deadline:
-                    await self.stop()
-                    raise RuntimeError(f"kvproxy not ready after {self.env.start_timeout:g}s")
-                await asyncio.sleep(0.2)
+    def model_args(self) -> list[str]:
+        return ["--models-dir", str(self.models), "--models-max", "1"]
 
-    def command(self, port: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "kvproxy.cli",
-            "serve",
-            "--models-dir",
-            str(self.models),
-            "--models-max",
-            "1",
-            "--server-bin",
-            str(self.env.binary),
-            "--slots",
-            str(self.slots),
-            "--ctx-size",
-            str(self.ctx_per_slot),
-            "--cache-dir",
-            str(self.cache_dir),
-            "--port",
-            str(port),
-            "--",
-            *self.env.common_flags(),
-            "--cache-ram",
-            "0",
-        ]
+    async def answers(self, session: aiohttp.ClientSession) -> bool:
+        """kvproxy answers /health: a router loads no model before a request names one, so no
+        model's slots are known before (the stats' `enabled`)."""
+        async with session.get(self.url + "/health") as resp:
+            return resp.status == 200
 
 
 async def run_swaps(env: BenchEnv, opts: SwapsOptions) -> SwapsResult:
@@ -181,7 +143,7 @@ async def _alternate(client: Client, arm: Arm, opts: SwapsOptions, result: Swaps
         for model in MODELS:
             messages = convs[model]
             reply = await client.chat(arm.url, messages, opts.max_tokens, model=model)
-            reusable = await _reusable(client, arm.url, model, messages) if turn > 1 else 0
+            reusable = await _reusable(client, arm.url, messages, model=model) if turn > 1 else 0
             result.turns.append(
                 Turn(
                     arm.name,
@@ -202,16 +164,6 @@ async def _alternate(client: Client, arm: Arm, opts: SwapsOptions, result: Swaps
             )
             if reply.ok:
                 convs[model] = next_turn(messages, reply.content, turn + 1)
-
-
-async def _reusable(client: Client, base: str, model: str, messages: list[dict[str, Any]]) -> int:
-    """As workload's, with every call naming the model (a router routes by it)."""
-    now = await client.prompt_tokens(base, messages, model=model)
-    shared = len(now)
-    for other in OTHER_MESSAGES:
-        alt = [*messages[:-1], {"role": "user", "content": other}]
-        shared = min(shared, shared_prefix(now, await client.prompt_tokens(base, alt, model=model)))
-    return shared
 
 
 def markdown(result: SwapsResult) -> str:

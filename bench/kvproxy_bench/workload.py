@@ -210,15 +210,17 @@ def _echo(reply: Reply) -> str:
 OTHER_MESSAGES = ("0", "Zz")
 
 
-async def _reusable(client: Client, base: str, messages: list[dict[str, Any]]) -> int:
+async def _reusable(
+    client: Client, base: str, messages: list[dict[str, Any]], **fields: Any
+) -> int:
     """Tokens of this prompt that do not depend on its last (new) user message: everything the
     conversation held before, replies as echoed and turn markup included. The most any cache
-    could serve."""
-    now = await client.prompt_tokens(base, messages)
+    could serve. `fields`: more of the request's body (a router's `model`)."""
+    now = await client.prompt_tokens(base, messages, **fields)
     shared = len(now)
     for other in OTHER_MESSAGES:
         alt = [*messages[:-1], {"role": "user", "content": other}]
-        shared = min(shared, shared_prefix(now, await client.prompt_tokens(base, alt)))
+        shared = min(shared, shared_prefix(now, await client.prompt_tokens(base, alt, **fields)))
     return shared
 
 
