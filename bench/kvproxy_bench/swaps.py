@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from kvproxy.server.managed import ManagedServer, free_port, router_command
-from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, ProxyArm
+from kvproxy.server.managed import router_command
+from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, DirectArm, ProxyArm
 from kvproxy_bench.client import Client
 from kvproxy_bench.dialogues import facts_for, first_turn, next_turn
 from kvproxy_bench.report import pct, progress, table
@@ -69,40 +69,25 @@ def models_dir(env: BenchEnv) -> Path:
     return where
 
 
-class RouterArm(Arm):
-    """llama-server alone as a router, with its RAM prompt cache."""
+class RouterArm(DirectArm):
+    """llama-server alone as a router, with its RAM prompt cache (its default)."""
 
     def __init__(self, env: BenchEnv, models: Path, opts: SwapsOptions) -> None:
-        self.env = env
+        super().__init__(env, opts.slots, opts.ctx_per_slot, ram_cache=True)
         self.models = models
-        self.opts = opts
-        self.name = DIRECT_RAM_CACHE
-        self.cache_dir = env.new_dir("router-cache")
-        self.server: ManagedServer | None = None
-        self.url = ""
 
-    async def start(self) -> None:
-        await asyncio.to_thread(self.cache_dir.mkdir, 0o700, True, True)
-        port = free_port()
-        command = router_command(
+    def command(self, port: int) -> list[str]:
+        return router_command(
             self.env.binary,
             self.models,
             1,
             port,
             self.cache_dir,
-            self.opts.slots,
-            self.opts.ctx_per_slot,
+            self.slots,
+            self.ctx_per_slot,
             None,
             self.env.common_flags(),
         )
-        self.server = ManagedServer(command, port)
-        await self.server.start(self.env.start_timeout)
-        self.url = self.server.url
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop()
-            self.server = None
 
 
 class RouterProxyArm(ProxyArm):
