@@ -136,3 +136,20 @@ async def test_a_pinned_completion_goes_to_its_models_lane(
     sent = [b for m, p, b in router.child("chat").requests if p.startswith("/completion")]
     assert sent and sent[-1]["model"] == "chat" and sent[-1]["id_slot"] in (0, 1)
     assert router.models["coder"].loads == 0
+
+
+async def test_a_router_with_no_models_is_served_as_it_is(tmp_path: Path) -> None:
+    # llama.cpp's own suite starts routers with no models (its CORS tests): kvproxy must
+    # still answer, passing requests through, not fail for want of a lane.
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    async with FakeRouter({}, slot_save_path=cache) as r:
+        proxy = await start_proxy(r.url, cache)
+        try:
+            assert len(proxy.cache.lanes) == 1
+            async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
+                assert resp.status == 200, await resp.text()
+            status, body, _ = await chat(proxy, conv(1), model="coder")
+            assert status == 400 and "not found" in str(body)
+        finally:
+            await proxy.stop()

@@ -201,6 +201,11 @@ async def find_models(upstream: Upstream, make_lane: Callable[[str], Lane]) -> R
     except UpstreamError as exc:
         log.debug("GET /props or /models failed (%s): not looking for router models", exc)
         return None
+    if not models:
+        # Nothing to route by model: the router is served as one server (uncached, as it
+        # pins no slots of its own), never left without a lane.
+        log.info("llama-server %s is a router with no models", upstream.base_url)
+        return None
     limit = props.get("max_instances")
     found = RouterModels(upstream, {}, limit if isinstance(limit, int) else 0)
     for model in models:
