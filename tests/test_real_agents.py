@@ -151,6 +151,9 @@ def claude_env(home: Path, base_url: str, max_output: str = MAX_OUTPUT) -> dict[
     )
 
 
+# The first agent test installs its client (npm) and loads the stack: a few minutes alone,
+# more on a loaded machine; the default 300 s was seen to cut it off in a full run.
+@pytest.mark.timeout(900)
 async def test_claude_code_turns_come_back_after_other_conversations(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -215,6 +218,7 @@ async def codex_two_turns(
     return rows
 
 
+@pytest.mark.timeout(900)
 async def test_codex_turns_come_back_and_beat_the_server_alone(
     stack: Stack, tmp_path: Path
 ) -> None:
