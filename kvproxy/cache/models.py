@@ -131,21 +131,11 @@ class RouterModels:
 
     async def _bring_up(self, lane: Lane, model: str) -> None:
         # A model that runs needs no lock: counted busy already, no swap unloads it now.
-        try:
-            await self.look()
-        except UpstreamError as exc:
-            log.debug("GET /models failed (%s): the request goes as it is", exc)
-            return
-        if self.status.get(model) in RUNNING:
+        if await self._running_or_unknown(model):
             return
         async with self._changed:
             while True:
-                try:
-                    await self.look()
-                except UpstreamError as exc:
-                    log.debug("GET /models failed (%s): the request goes as it is", exc)
-                    return
-                if self.status.get(model) in RUNNING:
+                if await self._running_or_unknown(model):
                     return
                 unloads = victim(self.views(), model, self.models_max)
                 if unloads != WAIT:
@@ -161,6 +151,16 @@ class RouterModels:
                 return
             await self.look()
         await lane.backend.rediscover_if_off()
+
+    async def _running_or_unknown(self, model: str) -> bool:
+        """Whether GET /models shows `model` running, or does not answer (the request then
+        goes as it is)."""
+        try:
+            await self.look()
+        except UpstreamError as exc:
+            log.debug("GET /models failed (%s): the request goes as it is", exc)
+            return True
+        return self.status.get(model) in RUNNING
 
     async def _save_victims(self, model: str, unloads: str | None) -> None:
         """Save the unsaved slots of the model the router unloads to load `model`. Each save
