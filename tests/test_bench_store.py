@@ -19,7 +19,9 @@ ROWS = (
     "every restore: the file check before the server's call",
     "housekeeping, every second",
     "lookup of a new conversation whose system prompt 100 entries share",
+    "lookup of a conversation sharing nothing stored",
     "lookup of a continuing conversation",
+    "first two keys of every entry, kept in memory",
     "`kvproxy ls --limit 20` / `rm <prefix>`",
     "`kvproxy gc` evicting 100 (`--dry-run`)",
 )

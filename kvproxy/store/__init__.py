@@ -10,6 +10,9 @@
   for the proxy (the database on one dedicated thread, `kvproxy.store.thread`; files in
   threads; one operation at a time per key, in issue order) and the synchronous ones for the
   CLI. Opening a cache dir (import of old records, start-up sweep): `kvproxy.store.opening`.
+- `kvproxy.store.heads`: `Heads`, every entry's first two keys on the event loop, which
+  answer a new session's lookup without the hop to the index thread.
+- `kvproxy.store.offline`: the synchronous operations of `kvproxy ls|rm|gc` (no event loop).
 - `kvproxy.store.entry`: `Entry`, one saved state, and the old JSON index record.
 """
 

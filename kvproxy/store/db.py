@@ -24,8 +24,20 @@ import orjson
 from kvproxy.store import lookup
 from kvproxy.store.entry import Entry
 from kvproxy.store.listing import Listing, Totals, listing, totals
-from kvproxy.store.schema import COLUMNS, FROM, connect, entry_of, pack_chain, pkey, sidecars
+from kvproxy.store.schema import (
+    COLUMNS,
+    FROM,
+    KEY_BYTES,
+    connect,
+    entry_of,
+    pack_chain,
+    pkey,
+    sidecars,
+)
 from kvproxy.store.schema import DB_NAME as DB_NAME  # where kvproxy's tools look for it
+
+# The head of each entry's chain `heads` reads: its first two keys (`kvproxy.store.heads`).
+HEAD_BYTES = 2 * KEY_BYTES
 
 
 class IndexUnwritable(OSError):
@@ -42,6 +54,7 @@ class IndexDB:
         # The totals as the last write transaction left them, read inside it: the summary a
         # write's caller wants costs no read transaction of its own (see `Store._db`).
         self.written: Totals | None = None
+        self._version: int | None = None  # PRAGMA data_version when `others_wrote` last looked
 
     def close(self) -> None:
         self.conn.close()
@@ -81,6 +94,21 @@ class IndexDB:
     def data_version(self) -> int:
         """Changes when another connection committed (PRAGMA data_version)."""
         return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def others_wrote(self) -> bool:
+        """Did another connection commit since the last call (True at the first)?"""
+        version, self._version = self._version, self.data_version()
+        return version != self._version
+
+    def heads(self) -> tuple[dict[int, str], list[tuple[int, bytes | str]]]:
+        """Every entry's first keys (`Heads.load`) by namespace id: its chain's first bytes,
+        or its key (hex) when it has no chain; and the namespaces' names. One pass."""
+        names = {int(i): str(n) for i, n in self.conn.execute("SELECT id, name FROM namespaces")}
+        cur = self.conn.execute(
+            f"SELECT ns, CASE WHEN length(chain) > 0 THEN substr(chain, 1, {HEAD_BYTES}) "
+            "ELSE key END FROM entries"
+        )
+        return names, cur.fetchall()
 
     # --- reading
 
@@ -272,12 +300,14 @@ class IndexDB:
             self._delete_row(row)
             return row
 
-    def touch(self, key: str, now: float, hits: int) -> None:
-        """Record a use: LRU order, and the prefix order among entries of one depth."""
+    def touch(self, key: str, now: float, hits: int) -> Entry | None:
+        """Record a use: LRU order, and the prefix order among entries of one depth. The
+        entry as it is now (None: evicted or removed meanwhile, and a use does not bring it
+        back)."""
         with self._write():
             row = self.get(key)
             if row is None:
-                return  # evicted or removed meanwhile: a use does not bring it back
+                return None
             ns = self._ns_id(row.namespace)
             chain = row.chain or [row.key]
             self.conn.executemany(
@@ -289,6 +319,7 @@ class IndexDB:
                 "UPDATE entries SET last_used = ?, hits = hits + ? WHERE id = ?",
                 (now, hits, row.row_id),
             )
+        return replace(row, last_used=now, hits=row.hits + hits)
 
     def set_last_used(self, key: str, when: float) -> None:
         """Tests and benchmarks: age an entry."""

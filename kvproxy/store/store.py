@@ -1,15 +1,17 @@
 """`Store`: the cache dir's index (an SQLite database, `kvproxy.store.db`) and the operations
 that keep it and the files in step.
 
-Who touches what. The index lives in the database, not in memory: the proxy keeps only the
-pins of entries being restored, the operations in flight per key and a summary (entry count
-and bytes, one row the triggers keep) refreshed after each write. In the proxy every query
-and write runs on one dedicated thread with one connection (`_db`), file I/O in
+Who touches what. The index lives in the database: the proxy keeps only the pins of entries
+being restored, the operations in flight per key, a summary (entry count and bytes, one row
+the triggers keep) refreshed after each write, and the first two keys of every entry
+(`kvproxy.store.heads`: a new session's lookup answered without a query). In the proxy every
+query and write runs on one dedicated thread with one connection (`_db`), file I/O in
 `asyncio.to_thread` (`StoreFiles`), and their results are applied on the event loop: the loop
 never waits for SQLite or the disk. `kvproxy ls|rm|gc` (no event loop) call the synchronous
-methods, which use a connection of the calling thread; never hand those to a thread from the
-proxy. Several processes share the database safely (SQLite's locking, WAL); rows are the
-truth, so a proxy sees what `kvproxy rm|gc` did at its next query, with no rescan.
+methods (`kvproxy.store.offline`), which use a connection of the calling thread; never hand
+those to a thread from the proxy. Several processes share the database safely (SQLite's
+locking, WAL); rows are the truth, so a proxy sees what `kvproxy rm|gc` did at its next
+query, and its heads once housekeeping's next tick (every second) saw another process write.
 
 Order on disk. The `*_async` operations that change a key's files (commit, delete) run one
 at a time per key, in the order the loop issued them, and finish even if the request that
@@ -32,11 +34,12 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from kvproxy.keys import is_key
 from kvproxy.store.db import IndexDB, IndexUnwritable
 from kvproxy.store.entry import Entry
 from kvproxy.store.files import Steps, StoreFiles
-from kvproxy.store.listing import Listing, Totals
+from kvproxy.store.heads import Heads
+from kvproxy.store.listing import Totals
+from kvproxy.store.offline import OfflineStore
 from kvproxy.store.perkey import PerKey
 from kvproxy.store.schema import DB_NAME
 from kvproxy.store.startup import open_index, set_aside
@@ -48,7 +51,7 @@ log = logging.getLogger("kvproxy.store")
 T = TypeVar("T")
 
 
-class Store:
+class Store(OfflineStore):
     """The index of the cache dir, and the operations that keep it and the files in step.
     See the module docstring for which thread does what."""
 
@@ -69,6 +72,9 @@ class Store:
         self._watchers: list[set[str]] = []  # keys committed while an eviction runs
         self._local = threading.local()  # one IndexDB per thread
         self._thread = IndexThread()  # the proxy's index connection lives there
+        # The lookups settled by entries' first two keys, answered on the loop (heads.py).
+        self.heads = Heads()
+        self._jobs = 0  # jobs sent to the index thread, which runs them in that order
 
     # --- names (any thread)
 
@@ -91,17 +97,28 @@ class Store:
             self._local.db = db
         return db
 
-    async def _db(self, work: Callable[[IndexDB], T], refresh: bool = True) -> T:
+    async def _db(
+        self,
+        work: Callable[[IndexDB], T],
+        refresh: bool = True,
+        then: Callable[[T, int], None] | None = None,
+    ) -> T:
         """Run `work` on the index thread; with `refresh` (writes), the summary is refreshed
         with it. Lookups leave it be: it changes only with writes, ours (refreshed then) or
         another process's (housekeeping's refresh, every second). A full disk or a read-only
-        dir comes out as IndexUnwritable (an OSError), as for any other file."""
+        dir comes out as IndexUnwritable (an OSError), as for any other file. `then(result,
+        job number)` runs on the loop as soon as the result is back: in the order the jobs ran
+        (results come back in that order, and nothing is awaited in between)."""
+        seq = self._jobs
+        self._jobs += 1
         try:
             result, totals = await self._thread.run(partial(self._with_totals, work, refresh))
         except sqlite3.OperationalError as exc:
             raise IndexUnwritable(str(exc)) from exc
         if totals is not None:
             self.summary = totals
+        if then is not None:
+            then(result, seq)
         return result
 
     def _with_totals(
@@ -118,6 +135,8 @@ class Store:
         result, totals = self._with_totals(work)
         assert totals is not None
         self.summary = totals
+        if self._conn().written is not None:
+            self.heads.stale()  # written from outside the index thread (tests, tools)
         return result
 
     def close(self) -> None:
@@ -168,8 +187,15 @@ class Store:
         return await self._db(lambda db: db.longest(keys, namespace), refresh=False)
 
     async def candidates_async(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
-        """See `candidates`."""
-        return await self._db(lambda db: db.candidates(keys, namespace), refresh=False)
+        """See `candidates`; answered on the loop when the entries' first keys settle it."""
+        found = self.heads.answer(keys, namespace)
+        if found is not None:
+            return found
+        return await self._db(
+            lambda db: db.candidates(keys, namespace),
+            refresh=False,
+            then=lambda got, _: self.heads.remember(keys, namespace, got),
+        )
 
     async def used_since_async(self, when: float, limit: int = 10_000) -> list[tuple[str, float]]:
         """(key, last_used) of the entries used since `when` (wall clock), newest first."""
@@ -183,8 +209,11 @@ class Store:
         return await self._db(lambda db: db.recent_with_text(namespace, limit), refresh=False)
 
     async def refresh_async(self) -> Totals:
-        """Re-read the summary (another process may have removed entries)."""
-        await self._db(lambda db: None)
+        """Re-read the summary (another process may have removed entries), and the entries'
+        first keys when another process wrote (or they were never read)."""
+        if await self._db(lambda db: db.others_wrote()) or not self.heads.ready:
+            self.heads.stale()
+            await self._db(lambda db: db.heads(), refresh=False, then=self.heads.load)
         return self.summary
 
     async def forget_removed_async(self) -> list[str]:
@@ -192,28 +221,6 @@ class Store:
         summary is refreshed. Kept for housekeeping's call; always []."""
         await self.refresh_async()
         return []
-
-    # --- lookups with no event loop (and tests)
-
-    def lookup(self, keys: list[str], namespace: str) -> tuple[Entry, int] | None:
-        return self._sync(lambda db: db.longest(keys, namespace))
-
-    def candidates(self, keys: list[str], namespace: str) -> list[tuple[Entry, int]]:
-        """Entries a request could restore, each with the keys it shares with `keys`: the
-        longest match (`lookup`), and every entry that ends exactly at one of the request's
-        boundaries (the request extends it). Index seeks only: no pass over the entries that
-        merely share a prefix (every conversation of an agent shares its system prompt).
-        Deepest first."""
-        return self._sync(lambda db: db.candidates(keys, namespace))
-
-    def recent_with_text(self, namespace: str, limit: int = 8) -> list[str]:
-        """Keys of the most recently used entries of `namespace` whose text was kept: the
-        conversations a miss is compared with (reading every entry's text would not scale)."""
-        return self._sync(lambda db: db.recent_with_text(namespace, limit))
-
-    def set_last_used(self, key: str, when: float) -> None:
-        """Tests and benchmarks: age an entry."""
-        self._sync(lambda db: db.set_last_used(key, when))
 
     # --- the proxy: changes
 
@@ -242,13 +249,18 @@ class Store:
         return await self._serial((key,), run)
 
     async def _commit_steps(self, entry: Entry, temp: str) -> Entry:
-        old = await self._db(lambda db: db.delete(entry.key))  # the commit marker goes first
+        # The commit marker goes first.
+        old = await self._db(lambda db: db.delete(entry.key), then=self._removed)
         committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
         if committed is None:  # nothing changed on disk: the old entry is still good
             if old is not None:
-                await self._db(lambda db: db.insert(old))
+                await self._db(lambda db: db.insert(old), then=self.heads.added)
             raise FileNotFoundError(f"llama-server wrote no file named {temp}")
-        return await self._db(lambda db: db.insert(committed))
+        return await self._db(lambda db: db.insert(committed), then=self.heads.added)
+
+    def _removed(self, row: Entry | None, seq: int) -> None:
+        if row is not None:
+            self.heads.removed(row, seq)
 
     def _orphaned(self, exc: BaseException) -> None:
         if self.on_orphaned_error is not None:
@@ -257,14 +269,26 @@ class Store:
     async def touch_async(self, key: str, hits: int = 1) -> None:
         """Record a use (for LRU across restarts); an entry gone meanwhile stays gone."""
         now = time.time()
-        await self._serial((key,), partial(self._db, lambda db: db.touch(key, now, hits)))
+        await self._serial(
+            (key,), partial(self._db, lambda db: db.touch(key, now, hits), then=self._touched)
+        )
+
+    def _evicted(self, rows: list[Entry], seq: int) -> None:
+        for row in rows:
+            self.heads.removed(row, seq)
+
+    def _touched(self, row: Entry | None, seq: int) -> None:
+        if row is not None:
+            self.heads.touched(row, seq)
 
     async def remove_async(self, entry: Entry) -> None:
         """Drop `entry`, if it is still the row indexed under its key (else whoever replaced
         or removed it has its files in hand)."""
 
         async def run() -> None:
-            row = await self._db(lambda db: db.delete(entry.key, entry.row_id or None))
+            row = await self._db(
+                lambda db: db.delete(entry.key, entry.row_id or None), then=self._removed
+            )
             if row is not None:
                 await asyncio.to_thread(self.files.delete, [row])
 
@@ -286,7 +310,8 @@ class Store:
         self._watchers.append(seen)
         try:
             victims = await self._db(
-                lambda db: db.evict(now, self.ttl, self.max_bytes, pinned, incoming)
+                lambda db: db.evict(now, self.ttl, self.max_bytes, pinned, incoming),
+                then=self._evicted,
             )
         finally:
             self._watchers.remove(seen)
@@ -337,61 +362,6 @@ class Store:
     ) -> list[tuple[str, str]]:
         """The open's work (`kvproxy.store.startup`), on the thread that owns `db`."""
         return open_index(db, self.files, sweep, progress)
-
-    def commit(self, entry: Entry, temp: str) -> Entry:
-        if not (self.root / temp).exists():
-            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
-        old = self._sync(lambda db: db.delete(entry.key))
-        committed = self.files.commit(entry, temp, old)
-        if committed is None:
-            if old is not None:
-                self._sync(lambda db: db.insert(old))
-            raise FileNotFoundError(f"llama-server wrote no file named {temp}")
-        return self._sync(lambda db: db.insert(committed))
-
-    def remove(self, key: str) -> Entry | None:
-        """Drop an entry: the row goes first, then its files."""
-        row = self._sync(lambda db: db.delete(key))
-        if row is not None:
-            self.files.delete([row])
-        return row
-
-    def remove_damaged(self, key: str) -> None:
-        """Delete the files of a key that has no row (see `open_readonly`)."""
-        if is_key(key) and not self._sync(lambda db: db.contains(key)):
-            self.files.delete_key(key)
-
-    def select_victims(
-        self, now: float | None = None, incoming: int = 0, dry_run: bool = False
-    ) -> list[Entry]:
-        """See `select_victims_async`; the caller deletes the files (`delete_files`). With
-        `dry_run`, the victims are only named: no row changes."""
-        when = time.time() if now is None else now
-        pinned = frozenset(self._pinned)
-        return self._sync(
-            lambda db: db.evict(when, self.ttl, self.max_bytes, pinned, incoming, dry_run)
-        )
-
-    def remove_many(self, entries: list[Entry]) -> list[Entry]:
-        """Drop entries (still as given) in one transaction, then their files; those dropped."""
-        rows = self._sync(lambda db: db.delete_many(entries))
-        self.files.delete(rows)
-        return rows
-
-    def listing(self, query: Listing) -> tuple[list[Entry], Totals]:
-        """See `IndexDB.listing`."""
-        return self._sync(lambda db: db.listing(query))
-
-    def with_prefix(self, prefix: str, limit: int = 50) -> list[Entry]:
-        """Entries whose key starts with the hex `prefix` (an index range)."""
-        return self._sync(lambda db: db.with_prefix(prefix, limit))
-
-    def all_entries(self) -> list[Entry]:
-        """Every entry, least recently used first (`kvproxy rm --all`)."""
-        return self._sync(lambda db: list(db.oldest()))
-
-    def delete_files(self, entries: list[Entry]) -> None:
-        self.files.delete(entries)
 
     # --- reads and temp clean-up: no index, any thread
 
