@@ -279,28 +279,35 @@ class Conversations:
     async def _after_reply(
         self, slot: Slot, conv: Conversation, reply: Reply | None, adapter: WireAdapter
     ) -> None:
+        timings = (reply.timings if reply is not None else None) or {}
+        prompt = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
+        generated = timings.get("predicted_n")
         if reply is not None and reply.complete:
             echoed = adapter.echoed(reply)
             chain = [*conv.keys, keys.extend(conv.keys[-1], echoed)]
-            timings = reply.timings or {}
-            n_tokens = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
             messages = [*conv.messages, echoed]
+            # What the server's slot holds now: the prompt and the reply but its last token,
+            # which was sampled and never evaluated (GET /slots would show the same).
+            held = prompt + max(generated - 1, 0) if isinstance(generated, int) else prompt
             slot.hold(
-                Holding(conv.namespace, chain, n_tokens, len(messages), messages, conv.template),
+                Holding(conv.namespace, chain, held, len(messages), messages, conv.template),
                 saved=False,
             )
         else:
             slot.forget()
         if not self.settings.write_through:
-            # The slot goes back now; what the server shows of it is asked without it.
-            timings = (reply.timings if reply is not None else None) or {}
-            generated = timings.get("predicted_n")
+            # The reply tells what the slot holds: no GET /slots now. The next check of the
+            # slot (`SlotWork.verify`, before anything trusts it past SNAPSHOT_TRUST or acts on
+            # it) wants a task newer than the last one seen and a token count from the prompt
+            # to the prompt and the reply: a slot wiped or used by others meanwhile fails it.
             slot.ours_ended(
-                slot.holding.n_tokens if slot.holding is not None else 0,
+                prompt if slot.holding is not None else 0,
                 # Not told: any size from the prompt on (a new task id is still required).
                 generated if isinstance(generated, int) else UNKNOWN_REPLY_TOKENS,
             )
-            self.background.spawn(self.work.snapshot_later(slot, slot.taken))
+            if slot.holding is not None and "prompt_n" not in timings:
+                # A reply without timings: its size is the server's to tell.
+                self.background.spawn(self.work.snapshot_later(slot, slot.taken))
             return
         try:
             await self.work.snapshot(slot)
