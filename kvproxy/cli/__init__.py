@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvproxy.cli.flags import add_settings_flags, load_settings
+from kvproxy.cli.logwriter import LogWriter
 from kvproxy.config import Settings
 
 log = logging.getLogger("kvproxy")
@@ -72,12 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(level: str, json_lines: bool = False) -> logging.handlers.QueueListener:
+def setup_logging(level: str, json_lines: bool = False) -> LogWriter:
     """Plain text on stderr, or with `json_lines` one JSON object per record (all of them,
     llama-server's relayed lines included), for log shippers. Records are written by a
     thread of their own, in order (a line per request: its write to a slow pipe or terminal
-    must not hold up the event loop); `stop()` on what this returns flushes them (done at
-    exit too)."""
+    must not hold up the event loop; `kvproxy.cli.logwriter`); `stop()` on what this returns
+    flushes them (done at exit too)."""
     from kvproxy.obs.requestlog import JsonFormatter
 
     text = logging.Formatter(LOG_FORMAT, "%H:%M:%S")
@@ -89,7 +90,7 @@ def setup_logging(level: str, json_lines: bool = False) -> logging.handlers.Queu
     theirs.setFormatter(JsonFormatter() if json_lines else relayed)
     theirs.addFilter(lambda record: record.name == LLAMA_LOGGER)
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    listener = logging.handlers.QueueListener(records, ours, theirs)
+    listener = LogWriter(records, ours, theirs)
     listener.start()
     atexit.register(_stop_quietly, listener)
     to_queue = logging.handlers.QueueHandler(records)
@@ -103,9 +104,8 @@ def setup_logging(level: str, json_lines: bool = False) -> logging.handlers.Queu
     return listener
 
 
-def _stop_quietly(listener: logging.handlers.QueueListener) -> None:
-    with contextlib.suppress(AttributeError):  # stopped already (its thread is gone)
-        listener.stop()
+def _stop_quietly(listener: LogWriter) -> None:
+    listener.stop()
 
 
 async def serve(settings: Settings) -> int:
