@@ -299,6 +299,9 @@ async def read_body(request: web.Request, within: float) -> web.Response | None:
     `within` seconds, else a 408 that closes the connection. Nothing is forwarded before the
     body is whole: a client trickling one never holds a llama-server HTTP thread. A body past
     --max-body, chunked too, raises HTTPRequestEntityTooLarge (the guard answers 413)."""
+    if request.content.is_eof():
+        await request.read()  # it all came with the head: nothing to wait for, no timer
+        return None
     try:
         async with asyncio.timeout(within):
             await request.read()

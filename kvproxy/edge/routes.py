@@ -171,6 +171,9 @@ class Decision:
     reason: str = ""  # why, when refused
 
 
+DECISIONS_KEPT = 256
+
+
 class RouteTable:
     """ROUTES for one proxy: its predict routes and the operator's --allow-route paths."""
 
@@ -188,6 +191,9 @@ class RouteTable:
             routes = (*managed, *(r for r in ROUTES if r not in MODEL_MANAGEMENT))
         self.refusals = tuple(r for r in routes if r.treatment is Treatment.REFUSED)
         self.served = tuple(r for r in routes if r.treatment is not Treatment.REFUSED)
+        # Decisions depend on the method and path alone: each is worked out once (a client
+        # names any path it likes, so only the first DECISIONS_KEPT are kept).
+        self._decided: dict[tuple[str, str], Decision] = {}
 
     def refused_allowances(self) -> list[str]:
         """--allow-route paths that name a refused route (they stay refused)."""
@@ -214,6 +220,14 @@ class RouteTable:
 
     def decide(self, method: str, path: str) -> Decision:
         """What kvproxy does with `method path` (a canonical path)."""
+        decided = self._decided.get((method, path))
+        if decided is None:
+            decided = self._decide(method, path)
+            if len(self._decided) < DECISIONS_KEPT:
+                self._decided[(method, path)] = decided
+        return decided
+
+    def _decide(self, method: str, path: str) -> Decision:
         reason = self.refusal(method, path)
         if reason is not None:
             return Decision(Treatment.REFUSED, reason)
