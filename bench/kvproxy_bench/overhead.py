@@ -10,7 +10,9 @@ client sends every request, alternating direct and proxied, one at a time, so it
 and the machine's drift fall on both paths equally: added latency = proxied − direct, at the
 same percentile.
 
-- small non-streamed chat requests: latency p50/p99, direct and proxied;
+- small non-streamed chat requests: latency p50/p99, direct and proxied, and through the
+  floor of any aiohttp proxy (`kvproxy_bench.minimal_proxy`, a minimal pass-through, its own
+  process, in the same rotation);
 - SSE relay: one streamed reply of `sse_events` events, events per second at the client;
 - time to first byte of a streamed reply;
 - the time to key a 1 MB, 500-message conversation in-process: JSON parsing, namespace and
@@ -60,6 +62,7 @@ class ModeResult:
     mode: str
     direct_ms: list[float] = field(default_factory=list)
     proxied_ms: list[float] = field(default_factory=list)
+    floor_ms: list[float] = field(default_factory=list)  # the minimal aiohttp pass-through
     sse_direct_eps: float = 0.0
     sse_proxied_eps: float = 0.0
     ttfb_direct_ms: list[float] = field(default_factory=list)
@@ -76,6 +79,12 @@ class ModeResult:
             "proxied_p99_ms": percentile(p, 99),
             "added_p50_ms": percentile(p, 50) - percentile(d, 50),
             "added_p99_ms": percentile(p, 99) - percentile(d, 99),
+            "floor_p50_ms": percentile(self.floor_ms, 50),
+            "floor_p99_ms": percentile(self.floor_ms, 99),
+            "floor_added_p50_ms": percentile(self.floor_ms, 50) - percentile(d, 50),
+            "floor_added_p99_ms": percentile(self.floor_ms, 99) - percentile(d, 99),
+            "above_floor_p50_ms": percentile(p, 50) - percentile(self.floor_ms, 50),
+            "above_floor_p99_ms": percentile(p, 99) - percentile(self.floor_ms, 99),
             "sse_direct_eps": self.sse_direct_eps,
             "sse_proxied_eps": self.sse_proxied_eps,
             "ttfb_direct_p50_ms": percentile(td, 50),
@@ -163,6 +172,11 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
     ]
     proxy = LoggedProcess(workdir / "kvproxy.log")
     proxied = f"http://127.0.0.1:{proxy_port}"
+    floor_port = free_port()
+    floor_command = [sys.executable, "-m", "kvproxy_bench.minimal_proxy"]
+    floor_command += ["--port", str(floor_port), "--upstream", direct]
+    floor = LoggedProcess(workdir / "minimal-proxy.log")
+    floored = f"http://127.0.0.1:{floor_port}"
     out = ModeResult(mode)
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
     try:
@@ -170,6 +184,8 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
         await _wait_up(session, direct + "/health", fake)
         await proxy.start(proxy_command)
         await _wait_up(session, proxied + "/kvproxy/stats", proxy)
+        await floor.start(floor_command)
+        await _wait_up(session, floored + "/health", floor)
         body = orjson.dumps(
             {
                 "messages": [
@@ -180,16 +196,19 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
                 "temperature": 0,
             }
         )
-        for _ in range(50):  # warm up connections, caches and the proxy's code paths
-            await _small(session, direct, body, out)
-            await _small(session, proxied, body, out)
+        arms = [(direct, out.direct_ms), (proxied, out.proxied_ms), (floored, out.floor_ms)]
+        for _ in range(50):  # warm up connections, caches and the proxies' code paths
+            for base, _times in arms:
+                await _small(session, base, body, out)
         out.errors = 0
-        for _ in range(opts.requests):
-            out.direct_ms.append(await _small(session, direct, body, out))
-            out.proxied_ms.append(await _small(session, proxied, body, out))
+        for i in range(opts.requests):
+            # Each arm goes first, second and last in turn: none always follows the same one.
+            for base, times in arms[i % 3 :] + arms[: i % 3]:
+                times.append(await _small(session, base, body, out))
         progress(
             f"  small requests: direct p50 {percentile(out.direct_ms, 50):.2f} ms, "
-            f"proxied p50 {percentile(out.proxied_ms, 50):.2f} ms"
+            f"proxied p50 {percentile(out.proxied_ms, 50):.2f} ms, "
+            f"minimal aiohttp p50 {percentile(out.floor_ms, 50):.2f} ms"
         )
         direct_eps, proxied_eps = [], []
         for _ in range(opts.sse_runs):
@@ -203,6 +222,7 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
             out.ttfb_proxied_ms.append(await _ttfb(session, proxied, out))
     finally:
         await session.close()
+        await floor.stop(grace=30)
         await proxy.stop(grace=30)
         await fake.stop(grace=30)
     return out
@@ -309,6 +329,26 @@ def markdown(result: OverheadResult) -> str:
         "TTFB proxied p50 (ms)",
         "errors",
     ]
+    floor_rows = [
+        [
+            m.mode,
+            f"{s['added_p50_ms']:.2f} / {s['added_p99_ms']:.2f}",
+            f"{s['floor_added_p50_ms']:.2f} / {s['floor_added_p99_ms']:.2f}",
+            f"{s['above_floor_p50_ms']:+.2f} / {s['above_floor_p99_ms']:+.2f}",
+        ]
+        for m in result.modes
+        if m.floor_ms
+        for s in [m.summary()]
+    ]
+    floor = ""
+    if floor_rows:
+        floor_cols = [
+            "mode",
+            "kvproxy added p50 / p99 (ms)",
+            "minimal aiohttp pass-through added p50 / p99 (ms)",
+            "kvproxy above it p50 / p99 (ms)",
+        ]
+        floor = "\n\nThe floor, in the same rotation:\n\n" + table(floor_cols, floor_rows)
     keys = ""
     if result.key_ms:
         keys = (
@@ -317,4 +357,4 @@ def markdown(result: OverheadResult) -> str:
             f"median {statistics.median(result.key_ms):.2f} ms, max {max(result.key_ms):.2f} ms "
             f"over {len(result.key_ms)} runs."
         )
-    return table(cols, rows) + keys
+    return table(cols, rows) + floor + keys
