@@ -231,11 +231,29 @@ class Conversations:
         status: int,
         times: tuple[float, float],
     ) -> None:
-        """After the reply: judge a restore, hand the slot's bookkeeping off (it goes on
-        without the client), and report the request."""
+        """After the reply: judge a restore, report the request, and record what the slot
+        holds now (after the report, which looks at what it held; with --write-through the
+        save goes on without the client)."""
+        if self.settings.write_through:
+            lease.hand_off(self._write_through(slot, conv, reply, adapter))
+        try:
+            self._report(request, slot, conv, prepared, reply, status, times)
+        finally:
+            if not self.settings.write_through:
+                self._reply_held(slot, conv, reply, adapter)
+
+    def _report(
+        self,
+        request: web.Request,
+        slot: Slot,
+        conv: Conversation,
+        prepared: Prepared,
+        reply: Reply | None,
+        status: int,
+        times: tuple[float, float],
+    ) -> None:
         if prepared.decision is Decision.RESTORED:
             self._judge_restore(conv.namespace, prepared.expected_n, reply)
-        lease.hand_off(self._after_reply(slot, conv, reply, adapter))
         timings = (reply.timings if reply is not None else None) or {}
         event = _event(request, slot, conv, prepared, status, times, self.backend.label)
         # What came from a cache: not the tokens kvproxy had evaluated on the way.
@@ -276,9 +294,10 @@ class Conversations:
                 self.guard.limit,
             )
 
-    async def _after_reply(
+    def _reply_held(
         self, slot: Slot, conv: Conversation, reply: Reply | None, adapter: WireAdapter
     ) -> None:
+        """What the slot holds after the reply (no I/O: the slot goes back at once)."""
         timings = (reply.timings if reply is not None else None) or {}
         prompt = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
         generated = timings.get("predicted_n")
@@ -308,7 +327,12 @@ class Conversations:
             if slot.holding is not None and "prompt_n" not in timings:
                 # A reply without timings: its size is the server's to tell.
                 self.background.spawn(self.work.snapshot_later(slot, slot.taken))
-            return
+
+    async def _write_through(
+        self, slot: Slot, conv: Conversation, reply: Reply | None, adapter: WireAdapter
+    ) -> None:
+        """--write-through: every reply is saved, the slot held until it is."""
+        self._reply_held(slot, conv, reply, adapter)
         try:
             await self.work.snapshot(slot)
             if self.work.worth_saving(slot):

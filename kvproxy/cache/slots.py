@@ -371,9 +371,10 @@ class SlotPool:
         slot.claimed = False
         if used:
             slot.last_used = time.monotonic()
-        task = asyncio.get_running_loop().create_task(self._notify())
-        self._notifying.add(task)
-        task.add_done_callback(self._notifying.discard)
+        if self.waiting:  # else nobody waits on the condition: no task to wake them
+            task = asyncio.get_running_loop().create_task(self._notify())
+            self._notifying.add(task)
+            task.add_done_callback(self._notifying.discard)
         if self.on_release is not None:
             self.on_release()
 
