@@ -157,11 +157,12 @@ async def test_overhead_on_the_fake_upstream(env: BenchEnv) -> None:
     assert [m.mode for m in result.modes] == [overhead.CACHE_ON, overhead.PASS_THROUGH]
     for mode in result.modes:
         assert mode.errors == 0
-        assert len(mode.direct_ms) == len(mode.proxied_ms) == 20
+        assert len(mode.direct_ms) == len(mode.proxied_ms) == len(mode.floor_ms) == 20
         assert mode.sse_proxied_eps > 0 and len(mode.ttfb_proxied_ms) == 5
     assert len(result.key_ms) == 3
     text = overhead.markdown(result)
     assert "| cache on " in text and "| pass-through " in text and "Keys for" in text
+    assert "minimal aiohttp pass-through added" in text
 
 
 def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import statistics
 import sys
@@ -63,6 +64,10 @@ class ModeResult:
     direct_ms: list[float] = field(default_factory=list)
     proxied_ms: list[float] = field(default_factory=list)
     floor_ms: list[float] = field(default_factory=list)  # the minimal aiohttp pass-through
+    # CPU time (user + system) per small request of each proxy process: what its hop costs
+    # the machine, which a loaded machine's scheduling does not blur as it does latency.
+    proxy_cpu_us: float = 0.0
+    floor_cpu_us: float = 0.0
     sse_direct_eps: float = 0.0
     sse_proxied_eps: float = 0.0
     ttfb_direct_ms: list[float] = field(default_factory=list)
@@ -103,7 +108,15 @@ class OverheadResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "options": self.options,
-            "modes": {m.mode: {**m.summary(), "errors": m.errors} for m in self.modes},
+            "modes": {
+                m.mode: {
+                    **m.summary(),
+                    "errors": m.errors,
+                    "proxy_cpu_us": m.proxy_cpu_us,
+                    "floor_cpu_us": m.floor_cpu_us,
+                }
+                for m in self.modes
+            },
             "key_ms_median": statistics.median(self.key_ms) if self.key_ms else None,
             "key_ms_max": max(self.key_ms, default=None),
             "key_body_bytes": self.key_body_bytes,
@@ -201,10 +214,14 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
             for base, _times in arms:
                 await _small(session, base, body, out)
         out.errors = 0
+        cpu = [_cpu_s(p) for p in (proxy, floor)]
         for i in range(opts.requests):
             # Each arm goes first, second and last in turn: none always follows the same one.
             for base, times in arms[i % 3 :] + arms[: i % 3]:
                 times.append(await _small(session, base, body, out))
+        per = 1e6 / max(opts.requests, 1)
+        out.proxy_cpu_us = (_cpu_s(proxy) - cpu[0]) * per
+        out.floor_cpu_us = (_cpu_s(floor) - cpu[1]) * per
         progress(
             f"  small requests: direct p50 {percentile(out.direct_ms, 50):.2f} ms, "
             f"proxied p50 {percentile(out.proxied_ms, 50):.2f} ms, "
@@ -226,6 +243,18 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
         await proxy.stop(grace=30)
         await fake.stop(grace=30)
     return out
+
+
+def _cpu_s(proc: LoggedProcess) -> float:
+    """CPU seconds (user + system) the process has used so far (Linux /proc)."""
+    if proc.process is None:
+        return 0.0
+    try:
+        with open(f"/proc/{proc.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _small(session: aiohttp.ClientSession, base: str, body: bytes, out: ModeResult) -> float:
@@ -335,6 +364,7 @@ def markdown(result: OverheadResult) -> str:
             f"{s['added_p50_ms']:.2f} / {s['added_p99_ms']:.2f}",
             f"{s['floor_added_p50_ms']:.2f} / {s['floor_added_p99_ms']:.2f}",
             f"{s['above_floor_p50_ms']:+.2f} / {s['above_floor_p99_ms']:+.2f}",
+            f"{m.proxy_cpu_us:,.0f} / {m.floor_cpu_us:,.0f}",
         ]
         for m in result.modes
         if m.floor_ms
@@ -347,6 +377,7 @@ def markdown(result: OverheadResult) -> str:
             "kvproxy added p50 / p99 (ms)",
             "minimal aiohttp pass-through added p50 / p99 (ms)",
             "kvproxy above it p50 / p99 (ms)",
+            "CPU per request, kvproxy / minimal (µs)",
         ]
         floor = "\n\nThe floor, in the same rotation:\n\n" + table(floor_cols, floor_rows)
     keys = ""
