@@ -200,4 +200,5 @@ def _view(lane: Lane, conv: Conversation | None) -> LaneView:
         waiting=pool.waiting,
         empty_slots=sum(1 for s in pool.slots if not s.busy and s.holding is None),
         slots=len(pool.slots),
+        saving_slots=sum(1 for s in pool.slots if s.busy and s.saving),
     )
