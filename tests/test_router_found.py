@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from kvproxy_fake.router import FakeRouter, fake_models
 
+from kvproxy.cache import backend, wiring
 from kvproxy.cache.routing import model_candidates
 from kvproxy.server.managed import free_port
 
@@ -79,6 +80,39 @@ async def test_housekeeping_finds_a_model_the_router_lists_later(
     assert lane_models(proxy) == ["chat", "coder"]
     assert router.models["chat"].loads == 0  # looking loads nothing
     await two_turns(proxy, "chat")
+
+
+async def test_looking_for_new_models_never_wakes_a_sleeping_one(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wiring, "HOUSEKEEPING_INTERVAL", 0.05)
+    monkeypatch.setattr(backend, "SEVERAL_CHECK_INTERVAL", 0.1)
+    models = fake_models(["coder"])
+    async with FakeRouter(models, slot_save_path=cache, sleep_idle_seconds=0.3) as router:
+        proxy = await start_proxy(router.url, cache)
+        try:
+            assert (await chat(proxy, conv(1), model="coder"))[0] == 200
+            await settle(proxy)
+            child = router.child("coder")
+            for _ in range(500):
+                if child.is_sleeping:
+                    break
+                await asyncio.sleep(0.01)
+            assert child.is_sleeping
+            # Ten looks and more, a request naming a model nobody lists, then a new model.
+            await asyncio.sleep(1.0)
+            status, _, _ = await chat(proxy, conv(2), model="chat")
+            assert status == 400
+            router.add_file("chat")
+            router.reload()
+            for _ in range(500):
+                if lane_models(proxy) == ["chat", "coder"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert lane_models(proxy) == ["chat", "coder"]
+            assert child.wakes == 0 and child.is_sleeping
+        finally:
+            await proxy.stop()
 
 
 async def test_a_request_for_a_model_nobody_lists_goes_to_the_router_as_it_is(
