@@ -68,3 +68,15 @@ def least_loaded(views: Sequence[LaneView]) -> int:
             i,
         ),
     )
+
+
+def model_candidates(running: Sequence[bool], room: Sequence[bool]) -> list[int]:
+    """Of one model's lanes on several routers (`--servers N --models-dir`), the indexes the
+    rules above choose among: the routers running the model (nothing is loaded or unloaded
+    for the request), else those that can load it without unloading another model (no
+    conversation of that one is pushed to disk), else every router."""
+    for chosen in (running, room):
+        picked = [i for i, yes in enumerate(chosen) if yes]
+        if picked:
+            return picked
+    return list(range(len(running)))
