@@ -63,13 +63,15 @@ async def test_ls_lists_what_the_proxy_saved(
     code, out, _ = run(capsys, "ls", "--cache-dir", str(root))
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["KEY", "TOKENS", "SIZE", "AGE", "LAST", "USED", "HITS", "MSGS"]
+    header = ["KEY", "TOKENS", "SIZE", "AGE", "LAST", "USED", "HITS", "MSGS", "MODEL"]
+    assert lines[0].split() == header
     assert {line.split()[0] for line in lines[1:4]} == {k[:12] for k in entries}
     assert lines[4].startswith("3 entries, ")
     for entry in entries.values():
         row = next(line for line in lines if line.startswith(entry.key[:12])).split()
-        assert row[1] == f"{entry.n_tokens:,}" and row[-1] == str(entry.n_messages)
-        assert row[-2] == "0"  # hits
+        assert row[1] == f"{entry.n_tokens:,}" and row[-2] == str(entry.n_messages)
+        assert row[-3] == "0"  # hits
+        assert row[-1] == "fake-model.gguf"  # the server's model file
 
     code, out, _ = run(capsys, "ls", "--json", "--sort", "size", "--cache-dir", str(root))
     listed = orjson.loads(out)
@@ -79,6 +81,7 @@ async def test_ls_lists_what_the_proxy_saved(
     for e in listed:
         assert e["bytes"] == on_disk[f"{e['key']}.kv"] + on_disk[f"{e['key']}.msgs"]
         assert e["tokens"] == entries[e["key"]].n_tokens and e["hits"] == 0
+        assert e["model"] == "fake-model.gguf"
 
     code, out, _ = run(capsys, "ls", "--json", "--limit", "1", "--cache-dir", str(root))
     assert len(orjson.loads(out)) == 1
@@ -217,6 +220,7 @@ async def test_stats_reads_a_running_proxy(make: Maker, capsys: pytest.CaptureFi
     assert "requests     resident 0  restored 1  miss 5  bypass 0" in out
     assert f"disk         {len(proxy.cache.store.entries)} entries" in out
     assert "restores     1 ok, 0 failed" in out
+    assert "model        fake-model.gguf" in out
     # Conversations 1-3 made room for 3-5, and 1's return for itself (background saves off).
     assert "saves        4 ok (0 in the background), 0 failed" in out
     assert out.splitlines()[-2].startswith("  0  idle")

@@ -75,6 +75,8 @@ async def test_each_model_is_a_lane_and_a_swap_loses_no_conversation(
     assert status == 200 and h["X-KVProxy-Cache"] == "miss"
     assert router.unloads == ["coder"]
     assert committed(cache), "coder's conversation was not saved before the swap"
+    # Its entry names its model (`kvproxy ls`).
+    assert {e.model for e in proxy.cache.store.entries.values()} == {"coder"}
     await settle(proxy)
 
     status, r2, h2 = await chat(proxy, then(conv(1), r1), model="coder")

@@ -18,8 +18,9 @@ def lane(
     waiting: int = 0,
     slots: int = 2,
     empty: int = 0,
+    saving: int = 0,
 ) -> LaneView:
-    return LaneView(up, resident_idle, resident_busy, idle, waiting, slots, empty)
+    return LaneView(up, resident_idle, resident_busy, idle, waiting, slots, empty, saving)
 
 
 def test_the_server_holding_the_conversation_gets_it() -> None:
@@ -53,6 +54,16 @@ def test_an_unsaved_conversation_waits_for_its_busy_slot() -> None:
 def test_with_every_slot_busy_the_least_queued_per_slot() -> None:
     assert choose_lane([lane(idle=0, waiting=3), lane(idle=0, waiting=1)]) == 1
     assert choose_lane([lane(idle=0, waiting=4, slots=4), lane(idle=0, waiting=3, slots=2)]) == 0
+
+
+def test_with_no_idle_slot_a_slot_finishing_a_background_save_beats_a_queue() -> None:
+    # Seen on two servers: a request queued behind a whole prefill on one server while the
+    # other's slot was free 30 ms later, when its background save ended.
+    assert choose_lane([lane(idle=0), lane(idle=0, saving=1)]) == 1
+    # A save already owed to a waiting request frees nothing for this one.
+    assert choose_lane([lane(idle=0, waiting=0), lane(idle=0, saving=1, waiting=1)]) == 0
+    # An idle slot now is better than one soon.
+    assert choose_lane([lane(idle=0, saving=2), lane(idle=1)]) == 1
 
 
 def test_a_server_out_of_rotation_gets_nothing_while_another_is_in_it() -> None:

@@ -23,7 +23,9 @@ def state_bytes(n_tokens: int, size: int = 1000) -> bytes:
     return head + b"\0" * (size - len(head))
 
 
-def save(store: Store, messages: int, size: int = 1000, sidecar: bool = False) -> Entry:
+def save(
+    store: Store, messages: int, size: int = 1000, sidecar: bool = False, model: str = ""
+) -> Entry:
     """Do what a save does: the server writes the temp file (and sidecar), we commit."""
     chain = keys.chain(NS, [{"role": "user", "content": f"m{i}"} for i in range(messages)])
     temp = store.temp_name(chain[-1])
@@ -31,7 +33,7 @@ def save(store: Store, messages: int, size: int = 1000, sidecar: bool = False) -
     if sidecar:
         (store.root / f"{temp}.ckpt").write_bytes(b"c" * 100)
     now = time.time()
-    entry = Entry(chain[-1], NS, 10, 0, messages, now, now, chain=chain)
+    entry = Entry(chain[-1], NS, 10, 0, messages, now, now, chain=chain, model=model)
     return store.commit(entry, temp)
 
 

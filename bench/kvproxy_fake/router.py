@@ -15,6 +15,9 @@ kvproxy relies on are in docs/how-it-works.md, "Router mode"):
 - Loading a model beyond `models_max` first unloads the least recently used model that has
   no request in flight; an unloaded child's slots are gone. POST /models/load and
   /models/unload do it on demand.
+- The list is read once, at start: a model added to the models dir later (`add_file`) is
+  listed, and served, only after GET /models?reload=1 (server_models::load_models), which
+  loads nothing and sends a `models_reload` event.
 """
 
 from __future__ import annotations
@@ -73,12 +76,14 @@ class FakeRouter:
             name: FakeModel(name, path, child_args=dict(child_args))
             for name, path in models.items()
         }
+        self.child_args = child_args
         self.models_max = models_max
         self.slot_save_path = slot_save_path
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.autoload = autoload
         self.requests: list[tuple[str, str, Any]] = []
+        self.files: dict[str, str] = {}  # added to the models dir, not yet listed (add_file)
         self.unloads: list[str] = []  # model names, in the order the router unloaded them
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -136,6 +141,16 @@ class FakeRouter:
         return child
 
     # ----------------------------------------------------------------- models
+
+    def add_file(self, name: str, path: str | None = None) -> None:
+        """A GGUF copied into the models dir while the router runs: listed after a reload."""
+        self.files[name] = path or f"/models/{name}.gguf"
+
+    def reload(self) -> None:
+        for name, path in self.files.items():
+            self.models.setdefault(name, FakeModel(name, path, child_args=dict(self.child_args)))
+        self.files.clear()
+        self._notify("*", "models_reload")
 
     def args(self, model: FakeModel) -> list[str]:
         """The child's command line, as GET /models shows it."""
@@ -218,6 +233,8 @@ class FakeRouter:
 
     async def _list(self, request: web.Request) -> web.Response:
         self.requests.append(("GET", request.path_qs, None))
+        if request.query.get("reload"):
+            self.reload()
         data = []
         for model in self.models.values():
             info: dict[str, Any] = {

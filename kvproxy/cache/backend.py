@@ -20,6 +20,7 @@ from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
+from kvproxy.server.router import is_router
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -90,6 +91,8 @@ class Backend:
         # Why the last look found no server (GET /props failed): None once one answered.
         self.down: UpstreamError | None = None
         self.sleeping = False  # the server's /props said `is_sleeping` (--sleep-idle-seconds)
+        # The server's own /props said it is a router: its models get lanes (models.py).
+        self.router = False
         # A request could not reach the server: what its slots held is distrusted once it
         # answers again (it may have been restarted, empty).
         self._lost = False
@@ -108,6 +111,14 @@ class Backend:
         and stats name it."""
         address = self.upstream.base_url.split("://", 1)[-1]
         return f"{address}/{self.model}" if self.model else address
+
+    @property
+    def model_name(self) -> str:
+        """The model as `kvproxy ls` and the stats name it: a router's model by its name,
+        else the server's GGUF file by its file name ("" before the server was seen)."""
+        if self.model is not None:
+            return self.model
+        return self.model_info.path.name if self.model_info is not None else ""
 
     @property
     def label(self) -> str | None:
@@ -165,6 +176,7 @@ class Backend:
             self._lost = self._lost or self.several
             raise
         self.down = None
+        self.router = self.model is None and is_router(props)
         if self._lost:
             self._lost = False
             log.info(

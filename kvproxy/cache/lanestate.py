@@ -12,6 +12,7 @@ def backend_state(lane: Lane) -> dict[str, Any]:
     backend = lane.backend
     return {
         "name": lane.name,
+        "model": backend.model_name,
         "enabled": backend.enabled,
         "down": str(backend.down) if backend.down is not None else None,
         "model_class": backend.model_class,

@@ -12,6 +12,11 @@ and its slots are forgotten the same way.
 
 While a request is on its way to a model, that model counts as busy: no swap for another
 model unloads it under the request (such a swap waits for it, as the router would).
+
+Every look at GET /models (housekeeping's, a request's) also takes in models the router
+lists that kvproxy had no lane for (a file added to `--models-dir` or a preset, after the
+router reloaded its list): each gets a lane then. GET /models neither loads nor wakes a model
+(server-models.cpp answers it from the router's own records).
 """
 
 from __future__ import annotations
@@ -62,11 +67,20 @@ WAIT = "\0wait"  # victim(): a swap must wait until a model is idle
 
 
 class RouterModels:
-    """The lanes of one router's models, by every name a request may use."""
+    """The lanes of one router's models, by every name a request may use. `make_lane(model
+    id)` builds a model's lane; `on_new()`, once set, is called when a look added lanes (the
+    cache lists them among its own)."""
 
-    def __init__(self, upstream: Upstream, lanes: dict[str, Lane], models_max: int) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        models_max: int,
+        make_lane: Callable[[str], Lane],
+    ) -> None:
         self.upstream = upstream
-        self.lanes = lanes  # model id -> lane
+        self.lanes: dict[str, Lane] = {}  # model id -> lane
+        self._make_lane = make_lane
+        self.on_new: Callable[[], None] | None = None
         self.names: dict[str, str] = {}  # a name or alias -> model id
         self.models_max = models_max
         self.status: dict[str, str] = {}
@@ -92,10 +106,16 @@ class RouterModels:
             for name, lane in self.lanes.items()
         ]
 
-    def notice(self, models: Sequence[RouterModel]) -> None:
+    def notice(self, models: Sequence[RouterModel]) -> list[str]:
         """GET /models as it is now: a model that stopped running or fell asleep since the
-        last look lost its slots' state."""
+        last look lost its slots' state; a model listed for the first time gets a lane.
+        Returns the ids of the new models."""
+        new = [m.id for m in models if m.id and m.id not in self.lanes]
+        for name in new:
+            self.lanes[name] = self._make_lane(name)
         for model in models:
+            # Every look: a reloaded list may have given a model other aliases.
+            self.add_names(model)
             before = self.status.get(model.id)
             self.status[model.id] = model.status
             lane = self.lanes.get(model.id)
@@ -105,9 +125,22 @@ class RouterModels:
                 lane.backend.model_gone("fell asleep")
             elif model.status not in RUNNING:
                 lane.backend.model_gone("was unloaded by the router")
+        if new and self.on_new is not None:
+            log.info("router %s lists new models: %s", self.upstream.base_url, ", ".join(new))
+            self.on_new()
+        return new
 
-    async def look(self) -> None:
-        self.notice(await list_models(self.upstream))
+    async def look(self) -> list[str]:
+        """Read GET /models (see `notice`); the ids of models new since the last look."""
+        return self.notice(await list_models(self.upstream))
+
+    def running(self, lane: Lane) -> bool:
+        """Whether the router ran `lane`'s model at the last look."""
+        return self.status.get(lane.backend.model or "") in RUNNING
+
+    def has_room(self, lane: Lane) -> bool:
+        """Whether the router can load `lane`'s model without unloading another."""
+        return victim(self.views(), lane.backend.model or "", self.models_max) is None
 
     async def serve(self, lane: Lane) -> None:
         """Before a request goes to `lane`'s model: it runs, loaded if need be, and the
@@ -189,10 +222,15 @@ class RouterModels:
         return lane
 
 
-async def find_models(upstream: Upstream, make_lane: Callable[[str], Lane]) -> RouterModels | None:
+async def find_models(
+    upstream: Upstream,
+    make_lane: Callable[[str], Lane],
+    on_new: Callable[[], None] | None = None,
+) -> RouterModels | None:
     """The models of the server at `upstream`, each with a lane `make_lane(model id)`, when
-    it is a router (GET /props says so); None for a server of one model, or one that does
-    not answer (it is then served as one server)."""
+    it is a router (GET /props says so); None for a server of one model, one that does not
+    answer, or a router that lists no model yet (it is then served as one server, and looked
+    at again later)."""
     try:
         props = await LlamaClient(upstream).props()
         if not is_router(props):
@@ -203,15 +241,13 @@ async def find_models(upstream: Upstream, make_lane: Callable[[str], Lane]) -> R
         return None
     if not models:
         # Nothing to route by model: the router is served as one server (uncached, as it
-        # pins no slots of its own), never left without a lane.
-        log.info("llama-server %s is a router with no models", upstream.base_url)
+        # pins no slots of its own), never left without a lane. Asked again at every look.
+        log.debug("llama-server %s is a router with no models", upstream.base_url)
         return None
     limit = props.get("max_instances")
-    found = RouterModels(upstream, {}, limit if isinstance(limit, int) else 0)
-    for model in models:
-        found.lanes[model.id] = make_lane(model.id)
-        found.add_names(model)
-        found.status[model.id] = model.status
+    found = RouterModels(upstream, limit if isinstance(limit, int) else 0, make_lane)
+    found.notice(models)
+    found.on_new = on_new  # for models listed later: these are the caller's to list now
     log.info(
         "llama-server %s is a router: %d models (%s), at most %s loaded at once",
         upstream.base_url,

@@ -4,6 +4,11 @@ least loaded. A server that cannot be reached before any byte of the reply went 
 rotation, and the request goes to another server (restored there from the shared cache dir).
 
 With one server, every request goes to it exactly as before: no body is read here.
+
+With router-mode servers, a request goes to a lane of the model its body names; with several
+routers (`--servers N --models-dir`), every router has a lane of each model, and the same rule
+picks among the routers that run the model, else those that can load it without unloading
+another, else all of them (routing.py, `model_candidates`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -19,7 +24,7 @@ from aiohttp import web
 from kvproxy.cache.keyed import Incoming, invalid_json
 from kvproxy.cache.lane import Lane
 from kvproxy.cache.models import RouterModels
-from kvproxy.cache.routing import LaneView, choose_lane, least_loaded
+from kvproxy.cache.routing import LaneView, choose_lane, least_loaded, model_candidates
 from kvproxy.http import bodies as jsonbody
 from kvproxy.http.errors import Unreachable
 from kvproxy.wire import Conversation, NotKeyed, WireAdapter
@@ -31,14 +36,19 @@ class Router:
     def __init__(
         self,
         lanes: list[Lane],
+        models: list[RouterModels],
         opened: Callable[[], Awaitable[web.Response | None]],
+        find_new: Callable[[], Awaitable[None]],
     ) -> None:
-        self.lanes = lanes  # the cache's own list: a router found at start changes it
-        # Router-mode servers: their models' lanes, by the name a request gives (models.py).
-        self.models: list[RouterModels] = []
+        self.lanes = lanes  # the cache's own list: a router's models, once found, change it
+        # Router-mode servers: their models' lanes, by the name a request gives (models.py);
+        # the cache's own list (lanelist.py).
+        self.models = models
         # Waits until the cache dir is open and every server was looked for once (or answers
         # what the client gets instead).
         self._opened = opened
+        # Looks for router models kvproxy has no lane for yet (rate-limited by the cache).
+        self._find_new = find_new
 
     async def ready(self, lane: Lane) -> web.Response | None:
         """Before a slot-using request goes to `lane`: the cache is open, and a server that
@@ -56,14 +66,49 @@ class Router:
             return self.lanes[0]
         return self.lanes[least_loaded([_view(lane, None) for lane in self.lanes])]
 
-    def model_lane(self, payload: Any) -> tuple[RouterModels, Lane] | None:
-        """The lane of the router model a request body names ("model"), if any."""
+    def model_lanes(self, payload: Any) -> list[tuple[RouterModels, Lane]]:
+        """The lanes of the router model a request body names ("model"), one per router."""
         name = payload.get("model") if isinstance(payload, dict) else None
+        found = []
         for group in self.models:
             lane = group.lane_for(name)
             if lane is not None:
-                return group, lane
-        return None
+                found.append((group, lane))
+        return found
+
+    async def _model_lanes(self, payload: Any) -> list[tuple[RouterModels, Lane]]:
+        """`model_lanes`; for a name no lane serves, after looking for new router models
+        (one the router listed since the last look gets its lane now)."""
+        found = self.model_lanes(payload)
+        name = payload.get("model") if isinstance(payload, dict) else None
+        if not found and isinstance(name, str) and name:
+            await self._find_new()
+            found = self.model_lanes(payload)
+        return found
+
+    def _choose_model(
+        self,
+        found: Sequence[tuple[RouterModels, Lane]],
+        request: web.Request | None = None,
+        adapter: WireAdapter | None = None,
+        payload: dict[str, Any] | None = None,
+    ) -> tuple[RouterModels, Lane]:
+        """Of one model's lanes on several routers, the one for this request."""
+        if len(found) == 1:
+            return found[0]
+        picks = model_candidates(
+            [group.running(lane) for group, lane in found],
+            [group.has_room(lane) for group, lane in found],
+        )
+        lanes = [found[i][1] for i in picks]
+        if payload is None or request is None or adapter is None:
+            return found[picks[least_loaded([_view(lane, None) for lane in lanes])]]
+        views = []
+        for lane in lanes:
+            # Only a lane whose model kvproxy has looked at knows its namespace.
+            conv = lane.conversations.read(request, adapter, payload) if lane.in_rotation else None
+            views.append(_view(lane, conv if isinstance(conv, Conversation) else None))
+        return found[picks[choose_lane(views)]]
 
     async def management_lane(self, path: str, body: bytes) -> Lane:
         """The lane whose slots a model-management route holds (and saves) while it runs:
@@ -80,14 +125,14 @@ class Router:
     async def lane_for(self, request: web.Request) -> AsyncIterator[Lane]:
         """The lane for a request the cache does not key but pins: with router models, the
         one its body names, brought up (models.py) and busy until the request is done."""
-        found = None
+        found = []
         if self.models and request.body_exists:
             parsed = jsonbody.parse(await request.read())
-            found = self.model_lane(None if parsed.opaque else parsed.value)
-        if found is None:
+            found = await self._model_lanes(None if parsed.opaque else parsed.value)
+        if not found:
             yield self.pick()
             return
-        group, lane = found
+        group, lane = self._choose_model(found)
         await group.serve(lane)
         try:
             yield lane
@@ -97,20 +142,24 @@ class Router:
     async def handle_keyed(
         self, request: web.Request, path_qs: str, adapter: WireAdapter
     ) -> web.StreamResponse:
-        if self.models:
-            not_yet = await self._opened()
-            if not_yet is not None:
-                return not_yet
-            return await self._handle_model(request, path_qs, adapter)
-        if len(self.lanes) == 1:
+        if not self.models and len(self.lanes) == 1:
             lane = self.lanes[0]
             not_yet = await self.ready(lane)
             if not_yet is not None:
                 return not_yet
-            return await lane.conversations.handle_keyed(request, path_qs, adapter)
+            if lane.backend.router:
+                # A router whose models kvproxy has not seen (it was down at start, or
+                # listed none): they may be there now.
+                await self._find_new()
+            if not self.models:
+                return await lane.conversations.handle_keyed(request, path_qs, adapter)
         not_yet = await self._opened()
         if not_yet is not None:
             return not_yet
+        if not self.models and any(lane.backend.router for lane in self.lanes):
+            await self._find_new()
+        if self.models:
+            return await self._handle_model(request, path_qs, adapter)
         started = time.perf_counter()
         body = await request.read()
         parsed = jsonbody.parse(body)
@@ -135,26 +184,42 @@ class Router:
     async def _handle_model(
         self, request: web.Request, path_qs: str, adapter: WireAdapter
     ) -> web.StreamResponse:
-        """With router models: to the lane of the model the body names, once the router runs
-        it; a body naming none of them goes as it is (the router answers it)."""
+        """With router models: to a lane of the model the body names, once its router runs
+        it; a body naming none of them goes as it is (the router answers it). With several
+        routers, one that cannot be reached before any byte went out leaves rotation and the
+        request goes to another."""
         started = time.perf_counter()
         body = await request.read()
         parsed = jsonbody.parse(body)
         if parsed.invalid is not None:
             return invalid_json(parsed.invalid)
-        found = self.model_lane(None if parsed.opaque else parsed.value)
-        if found is None:
+        value = None if parsed.opaque else parsed.value
+        left = await self._model_lanes(value)
+        if not left:
             return (await self.pick().unkeyed.relay_bypass(request, path_qs, body)).response
-        group, lane = found
-        await group.serve(lane)
-        try:
-            answer = await self.ready(lane)
-            if answer is not None:
+        incoming = Incoming(body, parsed, started)
+        payload = value if isinstance(value, dict) else None
+        while True:
+            group, lane = self._choose_model(left, request, adapter, payload)
+            await group.serve(lane)
+            try:
+                answer: web.StreamResponse | None = await self.ready(lane)
+                if answer is None:
+                    # Read as a conversation of the model now that it runs (its identity).
+                    answer = await lane.conversations.serve(
+                        request, path_qs, adapter, incoming, None
+                    )
+                    if len(left) == 1 or not (
+                        isinstance(answer, Unreachable) and not answer.prepared
+                    ):
+                        return answer
+                    lane.backend.unreachable("a request found it unreachable")
+                    log.warning("llama-server %s is unreachable: out of rotation", lane.name)
+            finally:
+                await group.done(lane)
+            left = [(g, other) for g, other in left if other is not lane]
+            if not left:
                 return answer
-            incoming = Incoming(body, parsed, started)
-            return await lane.conversations.serve(request, path_qs, adapter, incoming, None)
-        finally:
-            await group.done(lane)
 
     def _choose(
         self,
@@ -200,4 +265,5 @@ def _view(lane: Lane, conv: Conversation | None) -> LaneView:
         waiting=pool.waiting,
         empty_slots=sum(1 for s in pool.slots if not s.busy and s.holding is None),
         slots=len(pool.slots),
+        saving_slots=sum(1 for s in pool.slots if s.busy and s.saving),
     )

@@ -10,7 +10,10 @@ The rule, in order:
    empty slots (nothing resident is pushed out while a slot holds nothing), then the most
    idle ones: the state comes back from disk there (every server restores from the shared
    cache dir), so no request waits on a busy server while another could serve it now.
-4. Else (every slot busy everywhere) the server with the fewest waiting per slot.
+4. Else a server with a slot busy only with a background save that no waiting request is
+   already owed: the save ends within a fraction of a second, where a request queued behind a
+   busy server waits for a whole reply while that slot frees (fewest waiting first).
+5. Else (every slot busy with requests everywhere) the server with the fewest waiting per slot.
 A server out of rotation (down, or not pinning slots) gets nothing while another is in it.
 """
 
@@ -29,6 +32,7 @@ class LaneView:
     waiting: int  # requests waiting there for a slot
     slots: int
     empty_slots: int  # idle slots holding no conversation
+    saving_slots: int = 0  # slots busy only with a background save
 
 
 def choose_lane(views: Sequence[LaneView]) -> int:
@@ -46,6 +50,9 @@ def choose_lane(views: Sequence[LaneView]) -> int:
             idle,
             key=lambda i: (views[i].waiting, -views[i].empty_slots, -views[i].idle_slots, i),
         )
+    saving = [i for i in candidates if views[i].saving_slots > views[i].waiting]
+    if saving:
+        return min(saving, key=lambda i: (views[i].waiting, -views[i].saving_slots, i))
     return min(candidates, key=lambda i: (views[i].waiting / max(1, views[i].slots), i))
 
 
@@ -61,3 +68,15 @@ def least_loaded(views: Sequence[LaneView]) -> int:
             i,
         ),
     )
+
+
+def model_candidates(running: Sequence[bool], room: Sequence[bool]) -> list[int]:
+    """Of one model's lanes on several routers (`--servers N --models-dir`), the indexes the
+    rules above choose among: the routers running the model (nothing is loaded or unloaded
+    for the request), else those that can load it without unloading another model (no
+    conversation of that one is pushed to disk), else every router."""
+    for chosen in (running, room):
+        picked = [i for i, yes in enumerate(chosen) if yes]
+        if picked:
+            return picked
+    return list(range(len(running)))

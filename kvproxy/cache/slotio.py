@@ -151,6 +151,7 @@ class SlotWork:
                 last_used=now,
                 chain=list(holding.chain),
                 messages=list(holding.messages),
+                model=self.backend.model_name,
             )
             entry = await self.store.commit_async(entry, temp)
         except UpstreamError as exc:

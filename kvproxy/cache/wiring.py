@@ -29,9 +29,9 @@ from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.lane import Lane, make_lane
+from kvproxy.cache.lanelist import LaneList
 from kvproxy.cache.lanestate import backend_state, slot_state, unsaved
 from kvproxy.cache.leases import Background
-from kvproxy.cache.models import find_models
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
 from kvproxy.cache.router import Router
@@ -67,10 +67,15 @@ class ConversationCache:
         # and the parts every lane shares.
         several = len(upstreams) > 1
         self.lanes = [self._lane(upstream, several) for upstream in upstreams]
-        self.router = Router(self.lanes, self.opened)
+        # A router-mode server's lanes are its models' (lanelist.py), found once it answers.
+        self.found = LaneList(self.lanes, self._model_lane)
+        self.router = Router(self.lanes, self.found.groups, self.opened, self.found.find_new)
         self._housekeeper: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
         self._habits_written = 0  # habits.changes when they were last written out
+
+    def _model_lane(self, upstream: Upstream, model: str) -> Lane:
+        return self._lane(upstream, True, model)
 
     def _lane(self, upstream: Upstream, several: bool, model: str | None = None) -> Lane:
         backend = Backend(upstream, self.settings, several, model)
@@ -84,17 +89,6 @@ class ConversationCache:
             self.background,
         )
         return make_lane(ctx)
-
-    async def _find_models(self) -> None:
-        """A router-mode server gets a lane per model (models.py) instead of its own."""
-        lanes: list[Lane] = []
-        for lane in self.lanes:
-            upstream = lane.backend.upstream
-            group = await find_models(upstream, partial(self._lane, upstream, True))
-            if group is not None:
-                self.router.models.append(group)
-            lanes += list(group.lanes.values()) if group is not None else [lane]
-        self.lanes[:] = lanes
 
     # --- the first (with one server, the only) lane
 
@@ -215,7 +209,7 @@ class ConversationCache:
         trimmed = self.habits.load(found)
         # A file past the bounds is written back trimmed at the next housekeeping tick.
         self._habits_written = self.habits.changes - int(trimmed)
-        await self._find_models()
+        await self.found.find()
         window = self.settings.live_window
         used = await self.store.used_since_async(time.time() - window) if window > 0 else []
         for lane in self.lanes:
@@ -224,6 +218,7 @@ class ConversationCache:
         await asyncio.gather(*(self._discover(lane) for lane in self.lanes))
         for lane in self.lanes:
             lane.warmer.enabled = True
+        self.found.serving = True
         started.set()
         await self._housekeeping()
 
@@ -269,6 +264,7 @@ class ConversationCache:
         saved by then is named in the log, and lost."""
         began = time.monotonic()
         budget = self.settings.shutdown_timeout if budget is None else budget
+        self.found.serving = False  # a model found from now on starts no saves either
         for lane in self.lanes:
             lane.warmer.enabled = False  # a save under way finishes; no new one starts
         if self._housekeeper is not None:
@@ -346,8 +342,8 @@ class ConversationCache:
                     await self.notice_removals()
                 else:
                     await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
-                for group in self.router.models if due else []:
-                    await group.look()  # a model unloaded or asleep: its slots forgotten
+                if due:
+                    await self.found.look()  # models unloaded, asleep, new; routers come up
                 for lane in due:
                     await self._look_again(lane)
                 await self.lane.work.evict()

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "ls",
         help="list the cache dir's entries",
         description="List cached conversations: key prefix, tokens, size on disk, age, "
-        "last use, restores (hits) and messages. Read-only; safe while a proxy runs.",
+        "last use, restores (hits), messages and model. Read-only; safe while a proxy runs.",
     )
     ls.add_argument("--sort", choices=sorted(SORTS), default="last-used", help="sort order")
     ls.add_argument("--reverse", action="store_true", help="reverse the sort order")
@@ -128,11 +128,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
             human_age(now - e.last_used) + " ago",
             str(e.hits),
             str(e.n_messages),
+            e.model or "-",  # saved before kvproxy recorded it
         ]
         for e in shown
     ]
     if rows:
-        table(["KEY", "TOKENS", "SIZE", "AGE", "LAST USED", "HITS", "MSGS"], rows, {1, 2, 5, 6})
+        columns = ["KEY", "TOKENS", "SIZE", "AGE", "LAST USED", "HITS", "MSGS", "MODEL"]
+        table(columns, rows, {1, 2, 5, 6})
     more = f" (showing {len(shown)})" if len(shown) < selected.entries else ""
     print(
         f"{entries_(selected.entries)}{more}, {human_bytes(selected.bytes)} in "
@@ -145,6 +147,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _entry_json(e: Entry, now: float) -> dict[str, Any]:
     return {
         "key": e.key,
+        "model": e.model or None,
         "namespace": e.namespace,
         "tokens": e.n_tokens,
         "bytes": e.on_disk,

@@ -113,6 +113,8 @@ def render_stats(s: dict[str, Any], url: str) -> str:
     for backend in backends if several else []:
         state = "down: " + str(backend["down"]) if backend.get("down") else "in rotation"
         lines.append(f"server       {backend.get('name')}  {state}")
+    if not several and backends and backends[0].get("model"):
+        lines.append(f"model        {backends[0]['model']}")
     lines.append("slots")
     for slot in s.get("slots") or []:
         key = slot.get("key")

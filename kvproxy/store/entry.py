@@ -33,6 +33,9 @@ class Entry:
     # The conversation as the client will echo it, handed to `commit`, which writes it to
     # `<key>.msgs` and drops it from the committed entry: read it back with `read_messages`.
     messages: list[Any] | None = field(default=None, repr=False, compare=False)
+    # The model the state came from, as `kvproxy ls` names it: a router's model name, else
+    # the GGUF file's ("" in entries saved before kvproxy recorded it).
+    model: str = ""
     # Suffixes after `<key>.kv` of the state's other files (checkpoint sidecars some server
     # builds write): their names are derived from these, never searched for.
     sidecars: tuple[str, ...] = ()

@@ -6,6 +6,10 @@ ordered as the prefix lookup wants them (namespace, key, the entry's depth, most
 used first), so "the entry sharing this prefix, ending closest to it" is one seek; `totals`,
 the entry count and bytes on disk, kept by triggers, so the byte budget and the gauges read
 one row however many entries there are.
+
+An index of an older layout is brought up to date when opened (`MIGRATIONS`); an older
+kvproxy still opens a newer one (each column added since has a default, and every query
+names its columns).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import orjson
 from kvproxy.store.entry import Entry
 
 DB_NAME = "index.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KEY_BYTES = 16  # a key is 32 hex digits (kvproxy.keys)
 
 _SCHEMA = """
@@ -40,7 +44,8 @@ CREATE TABLE IF NOT EXISTS entries(
     hits INTEGER NOT NULL,
     checksum TEXT NOT NULL,
     sidecars TEXT NOT NULL,
-    chain BLOB NOT NULL
+    chain BLOB NOT NULL,
+    model TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_used);
 CREATE INDEX IF NOT EXISTS entries_text ON entries(ns, last_used) WHERE msgs_bytes > 0;
@@ -71,9 +76,15 @@ END;
 # Written last, in the script's transaction: its presence says the schema is complete.
 _SCHEMA += f"INSERT OR IGNORE INTO meta VALUES ('schema', '{SCHEMA_VERSION}');\n"
 
+# Version -> the statement that takes an index of that version to the next one.
+MIGRATIONS: dict[str, str] = {
+    # 2: the model an entry's state came from (a router's model name, or the GGUF file's).
+    "1": "ALTER TABLE entries ADD COLUMN model TEXT NOT NULL DEFAULT ''",
+}
+
 COLUMNS = (
     "e.id, e.key, n.name, e.n_tokens, e.state_bytes, e.msgs_bytes, e.n_messages, e.created, "
-    "e.last_used, e.hits, e.checksum, e.sidecars, e.chain"
+    "e.last_used, e.hits, e.checksum, e.sidecars, e.chain, e.model"
 )
 FROM = "entries e JOIN namespaces n ON n.id = e.ns"
 
@@ -108,9 +119,33 @@ def _prepare(conn: sqlite3.Connection) -> None:
     # The schema is there once the meta row is (written last, in the script's transaction):
     # then opening reads one row instead of taking the write lock for the CREATE ... IF NOT
     # EXISTS script, which would queue `kvproxy ls` behind a proxy's write.
-    if _schema_version(conn) is None:
+    version = _schema_version(conn)
+    if version is None:
         # executescript commits on its own; every statement is IF NOT EXISTS / OR IGNORE.
         conn.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}COMMIT;")
+    elif version in MIGRATIONS:
+        _migrate(conn)
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring an index of an older layout up to date, a step per transaction; another process
+    (a proxy, `kvproxy ls`) that opens it at the same time waits, then finds it done."""
+    while True:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = _schema_version(conn)
+            step = MIGRATIONS.get(version or "")
+            if step is not None:
+                conn.execute(step)
+                conn.execute(
+                    "UPDATE meta SET value = ? WHERE name = 'schema'", (str(int(str(version)) + 1),)
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        if step is None:
+            return
 
 
 def _schema_version(conn: sqlite3.Connection) -> str | None:
@@ -157,4 +192,5 @@ def entry_of(r: tuple[Any, ...]) -> Entry:
         hits=r[9],
         checksum=r[10],
         chain=unpack_chain(r[12]),
+        model=r[13],
     )
