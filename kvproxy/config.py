@@ -121,7 +121,8 @@ class Settings(BaseSettings):
     background_save_wait: Duration = Field(
         10.0,
         description="a background save waits at most this long while another slot serves a "
-        "request (its stream would pause for the save); 0 = saves go at once",
+        "request (its stream would pause for the save) and another idle slot is free; 0 = at "
+        "once",
     )
     write_through: bool = Field(False, description="save after every reply instead of write-back")
     keep_reasoning: bool = Field(

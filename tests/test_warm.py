@@ -183,20 +183,22 @@ def long_for_stream(messages: list[dict[str, Any]]) -> str:
 
 
 async def held_back_save(make: Maker, wait: float) -> tuple[bool, bool, bool]:
-    """Conversation 3's turn 2 ends on one slot while another slot streams a long reply:
-    (a save of 3's slot was sent during the stream, the stream was still running when
-    looked at, 3's slot ends up saved)."""
+    """Three slots: conversation 4's turn 2 ends on one while another streams a long reply and
+    the third holds a conversation already on disk (a new one would take it): (a save of 4's
+    slot was sent during the stream, the stream was still running when looked at, 4's slot
+    ends up saved)."""
     fake, proxy = await make(
-        server={"token_delay": 0.02, "reply": long_for_stream}, background_save_wait=wait
+        server={"token_delay": 0.02, "reply": long_for_stream, "n_slots": 3},
+        background_save_wait=wait,
     )
-    replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3, 4)}
     await settle(proxy)
-    home = slot_of(proxy, 3)
-    stream = [*conv(4)[:1], {"role": "user", "content": "stream a long reply"}]
+    home = slot_of(proxy, 4)
+    stream = [*conv(5)[:1], {"role": "user", "content": "stream a long reply"}]
     streaming = asyncio.ensure_future(chat(proxy, stream))
     await until(lambda: any(s.busy for s in proxy.cache.pool.slots if s.id != home))
     posted = save_posts(fake, home)
-    status, _, h = await chat(proxy, then(conv(3), replies[3]))
+    status, _, h = await chat(proxy, then(conv(4), replies[4]))
     assert status == 200 and h["X-KVProxy-Cache"] == "resident"
     await asyncio.sleep(0.8)  # well past the wait of the held-back case's counterpart
     sent_during = save_posts(fake, home) > posted
@@ -209,7 +211,8 @@ async def held_back_save(make: Maker, wait: float) -> tuple[bool, bool, bool]:
 
 async def test_a_background_save_waits_while_another_slot_streams(make: Maker) -> None:
     """The server runs a save on its one loop: sent during the stream it would pause it.
-    The save is sent once the stream has ended, and the slot is saved then."""
+    A new conversation would take the third slot, so the save is sent once the stream has
+    ended, and the slot is saved then."""
     sent_during, running, saved = await held_back_save(make, wait=60)
     assert running and not sent_during and saved
 

@@ -106,7 +106,12 @@ class Client:
             **extra,
         }
         times: list[float] = []
-        async with self.session.post(base + "/v1/chat/completions", json=body) as resp:
+        # Not kept alive: llama-server alone may drop a connection after a stream, and the
+        # next request on it would fail.
+        close = {"Connection": "close"}
+        async with self.session.post(
+            base + "/v1/chat/completions", json=body, headers=close
+        ) as resp:
             resp.raise_for_status()
             async for line in resp.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):

@@ -1,6 +1,6 @@
 """`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical,
-servers, swaps, fleet and stalls (not in `all`). The flags are defined in kvproxy/cli/bench.py (parsing them
-imports nothing from here); `run` gets them.
+servers, swaps, fleet and stalls (not in `all`). The flags are defined in kvproxy/cli/bench.py
+(parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -123,7 +123,9 @@ async def _run(args: argparse.Namespace) -> int:
 
                 stopts = stalls.StallsOptions(
                     **_given(
-                        args, "conversations", "prompt_tokens", "stream_tokens", "max_tokens"
+                        args,
+                        *("conversations", "slots", "prompt_tokens", "stream_tokens"),
+                        "max_tokens",
                     )
                 )
                 if args.arms is not None:

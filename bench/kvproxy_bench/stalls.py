@@ -21,14 +21,18 @@ between them (where only background saves run). Counts of saves and restores are
 `/kvproxy/stats` around step 3. Turn 2's "% of ideal" is computed as in `workload`, after the
 stream.
 
-Arms: kvproxy with its background saves held back while another slot serves a request (the
-default), kvproxy with `--background-save-wait 0` (saves at once), and llama-server alone with
-its RAM cache (which copies states to and from RAM on the same loop).
+Arms: kvproxy with its background saves held back while another slot serves a request and
+another idle slot is free for a new conversation (the default; `kvproxy/cache/pressure.py`),
+kvproxy with `--background-save-wait 0` (saves at once), and llama-server alone with its RAM
+cache (which copies states to and from RAM on the same loop). With `--slots 2` one slot
+streams and the other is the only one left, so every save is urgent and both kvproxy arms
+save at once; `--slots 3` shows the hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,7 +55,8 @@ TURN_GAP = (0.3, 1.0)
 
 @dataclass
 class StallsOptions:
-    conversations: int = 3  # the others, through the second slot
+    conversations: int = 3  # the others, through the other slots
+    slots: int = 2
     prompt_tokens: int = 3000
     stream_tokens: int = 256
     max_tokens: int = 16  # the others' replies
@@ -100,9 +105,9 @@ def stream_messages(k: int) -> list[dict[str, Any]]:
 
 def make_stalls_arm(name: str, env: BenchEnv, opts: StallsOptions) -> Arm:
     if name == DIRECT_RAM_CACHE:
-        return DirectArm(env, 2, opts.ctx_per_slot, ram_cache=True)
+        return DirectArm(env, opts.slots, opts.ctx_per_slot, ram_cache=True)
     wait = ["--background-save-wait", "0"] if name == KVPROXY_AT_ONCE else []
-    return ProxyArm(env, 2, opts.ctx_per_slot, wait, name=name)
+    return ProxyArm(env, opts.slots, opts.ctx_per_slot, wait, name=name)
 
 
 async def run_stalls(env: BenchEnv, opts: StallsOptions) -> StallsResult:
@@ -135,10 +140,8 @@ async def _settle(arm: Arm) -> None:
 
 async def _run_arm(client: Client, arm: Arm, opts: StallsOptions) -> ArmRun:
     out = ArmRun(arm.name)
-    stream = {"ignore_eos": True}
-    out.alone = await client.stream_times(
-        arm.url, stream_messages(1), opts.stream_tokens, **stream
-    )
+    stream: dict[str, Any] = {"ignore_eos": True}
+    out.alone = await client.stream_times(arm.url, stream_messages(1), opts.stream_tokens, **stream)
     progress(f"  alone: {len(out.alone)} tokens")
 
     n_facts = facts_for(opts.prompt_tokens)
@@ -181,7 +184,8 @@ async def _run_arm(client: Client, arm: Arm, opts: StallsOptions) -> ArmRun:
         )
         progress(
             f"  turn 2 conversation {c}: {reply.cache_n} cached, {reply.prompt_n} prefilled, "
-            f"{reply.seconds:.2f}s {reply.cache_state}" + (f" ERROR {reply.error}" if reply.error else "")
+            f"{reply.seconds:.2f}s {reply.cache_state}"
+            + (f" ERROR {reply.error}" if reply.error else "")
         )
     out.loaded = await streaming
     after = await _counts(arm)
@@ -202,7 +206,7 @@ class Gaps:
 
 
 def gaps_ms(times: list[float]) -> list[float]:
-    return [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False)]
+    return [(b - a) * 1000 for a, b in itertools.pairwise(times)]
 
 
 def summary(values: list[float]) -> Gaps:
@@ -216,8 +220,9 @@ def summary(values: list[float]) -> Gaps:
 
 def split(times: list[float], turns: list[Turn]) -> tuple[list[float], list[float]]:
     """The gaps that overlap another conversation's request, and the others (ms)."""
-    during, between = [], []
-    for a, b in zip(times, times[1:], strict=False):
+    during: list[float] = []
+    between: list[float] = []
+    for a, b in itertools.pairwise(times):
         overlaps = any(a < t.ended and b > t.started for t in turns)
         (during if overlaps else between).append((b - a) * 1000)
     return during, between
@@ -234,9 +239,7 @@ def markdown(result: StallsResult) -> str:
         alone = summary(gaps_ms(run.alone))
         loaded = summary(gaps_ms(run.loaded))
         during, between = (summary(g) for g in split(run.loaded, run.turns))
-        ratio = (
-            f"{loaded.p99 / alone.p99:.2f}×" if loaded.p99 is not None and alone.p99 else None
-        )
+        ratio = f"{loaded.p99 / alone.p99:.2f}×" if loaded.p99 is not None and alone.p99 else None
         between_ratio = (
             f"{between.p99 / alone.p99:.2f}×" if between.p99 is not None and alone.p99 else None
         )
@@ -289,9 +292,9 @@ def markdown(result: StallsResult) -> str:
     head = (
         f"A {opts.stream_tokens}-token stream on one slot, alone and while "
         f"{opts.conversations} other conversations of ~{opts.prompt_tokens:,} tokens send "
-        "turn 2 through the other slot (gaps between tokens; \"during requests\": the gaps "
-        "that overlap another conversation's request, its restore and any save on its path "
-        "included)."
+        f"turn 2 through the other slots ({opts.slots} in all; gaps between tokens; "
+        '"during requests": the gaps that overlap another conversation\'s request, its '
+        "restore and any save on its path included)."
     )
     return (
         f"{head}\n\n{table(gap_cols, gap_rows)}\n\n"
