@@ -100,13 +100,15 @@ def test_a_slot_taken_by_a_background_save_holds_nothing_back() -> None:
 def test_a_save_under_way_gives_way_to_another_slots_request_unless_urgent() -> None:
     saving = view(0, 3.0, busy=True)
     streaming = view(1, 0.0, serving=True)
-    wait = {"live": 4, "idle_save_after": 30.0, "max_wait": 10.0}
-    assert gives_way([saving, streaming, free(2)], 0, **wait)
-    assert not gives_way([saving, view(1, 0.0), free(2)], 0, **wait)  # nothing served
-    assert not gives_way([saving, streaming], 0, **wait)  # the next request needs slot 0
-    overdue = view(0, 12.0, busy=True)
-    assert not gives_way([overdue, streaming, free(2)], 0, **wait)
-    assert not gives_way([saving, streaming, free(2)], 0, live=4, idle_save_after=30, max_wait=0)
+
+    def gives(slots: list[IdleView], max_wait: float = 10.0) -> bool:
+        return gives_way(slots, 0, live=4, idle_save_after=30.0, max_wait=max_wait)
+
+    assert gives([saving, streaming, free(2)])
+    assert not gives([saving, view(1, 0.0), free(2)])  # nothing served
+    assert not gives([saving, streaming])  # the next request needs slot 0
+    assert not gives([view(0, 12.0, busy=True), streaming, free(2)])  # overdue
+    assert not gives([saving, streaming, free(2)], max_wait=0)
 
 
 def test_a_conversation_counts_once_however_many_turns_it_had() -> None:

@@ -5,8 +5,9 @@ Runs on the event loop, one save at a time, started whenever a slot becomes idle
 conversation is seen, or housekeeping ticks. A save takes its slot from the pool like a
 request does (so nothing else touches the slot meanwhile), but never while a request waits
 for a slot, and gives it back without making it look recently used. While another slot
-serves a request a due save is held back (at most `max_wait` seconds), and a save under way
-stops before its next step; a timer looks again when the hold is up.
+serves a request and another idle slot is free, a due save is held back (at most `max_wait`
+seconds; pressure.py), and a save under way stops before its next step; a timer looks again
+when the hold is up.
 """
 
 from __future__ import annotations
