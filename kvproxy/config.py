@@ -118,6 +118,12 @@ class Settings(BaseSettings):
         description="a conversation seen this recently is live; with more live conversations "
         "than slots, idle slots are saved at once in the background (0 = only idle saves)",
     )
+    background_save_wait: Duration = Field(
+        10.0,
+        description="a background save waits at most this long while another slot serves a "
+        "request (its stream would pause for the save) and another idle slot is free; 0 = at "
+        "once",
+    )
     write_through: bool = Field(False, description="save after every reply instead of write-back")
     keep_reasoning: bool = Field(
         False, description="key replies with reasoning_content (for clients that echo it back)"

@@ -50,6 +50,30 @@ async def test_a_busy_request_is_not_waited_for() -> None:
     assert slot is pool.slots[1]
 
 
+async def test_a_slot_another_conversation_took_is_not_waited_for() -> None:
+    """Conversation "older" is on disk; a new conversation's request took its slot (a long
+    stream, say). "older"'s next turn takes the idle slot and restores, not waiting for the
+    stream to end in a slot whose content is being replaced."""
+    pool = pool_with_two_conversations()
+    pool.slots[0].saved = True
+    taken, _ = await asyncio.wait_for(pool.acquire(["stream"], "ns"), 5)
+    assert taken is pool.slots[0] and taken.holding is not None  # still shows "older"
+    slot, depth = await asyncio.wait_for(pool.acquire(["older", "reply", "next"], "ns"), 5)
+    assert slot is pool.slots[1] and depth == 0
+
+
+async def test_the_slot_finishing_this_conversations_last_reply_is_waited_for() -> None:
+    pool = pool_with_two_conversations()
+    taken, depth = await asyncio.wait_for(pool.acquire(["older", "reply", "next"], "ns"), 5)
+    assert taken is pool.slots[0] and depth == 1
+    request = asyncio.ensure_future(pool.acquire(["older", "reply", "next", "r2", "n2"], "ns"))
+    await asyncio.sleep(0.05)
+    assert not request.done()
+    pool.release(taken)
+    slot, _ = await asyncio.wait_for(request, 5)
+    assert slot is taken
+
+
 def test_before_its_slot_check_answers_a_reply_is_known_by_its_token_count() -> None:
     slot = SlotPool(1, max_queue=1, queue_timeout=1).slots[0]
     slot.hold(Holding("ns", ["a"], 1537, 2), saved=False)

@@ -174,3 +174,49 @@ async def test_a_background_save_gives_way_to_its_own_conversations_next_turn(
     assert save_posts(fake, home) >= posted
     await settle(proxy)
     assert proxy.cache.pool.slots[home].saved  # saved after the turn, in the background
+
+
+def long_for_stream(messages: list[dict[str, Any]]) -> str:
+    """Conversation "stream" gets a long reply (a token every `token_delay`), others short."""
+    text = str([m for m in messages if m["role"] == "user"][-1]["content"])
+    return "word " * 150 if "stream" in text else "Echo: " + text[:40]
+
+
+async def held_back_save(make: Maker, wait: float) -> tuple[bool, bool, bool]:
+    """Three slots: conversation 4's turn 2 ends on one while another streams a long reply and
+    the third holds a conversation already on disk (a new one would take it): (a save of 4's
+    slot was sent during the stream, the stream was still running when looked at, 4's slot
+    ends up saved)."""
+    fake, proxy = await make(
+        server={"token_delay": 0.02, "reply": long_for_stream, "n_slots": 3},
+        background_save_wait=wait,
+    )
+    replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3, 4)}
+    await settle(proxy)
+    home = slot_of(proxy, 4)
+    stream = [*conv(5)[:1], {"role": "user", "content": "stream a long reply"}]
+    streaming = asyncio.ensure_future(chat(proxy, stream))
+    await until(lambda: any(s.busy for s in proxy.cache.pool.slots if s.id != home))
+    posted = save_posts(fake, home)
+    status, _, h = await chat(proxy, then(conv(4), replies[4]))
+    assert status == 200 and h["X-KVProxy-Cache"] == "resident"
+    await asyncio.sleep(0.8)  # well past the wait of the held-back case's counterpart
+    sent_during = save_posts(fake, home) > posted
+    running = not streaming.done()
+    status, _, _ = await streaming
+    assert status == 200
+    await settle(proxy)
+    return sent_during, running, proxy.cache.pool.slots[home].saved
+
+
+async def test_a_background_save_waits_while_another_slot_streams(make: Maker) -> None:
+    """The server runs a save on its one loop: sent during the stream it would pause it.
+    A new conversation would take the third slot, so the save is sent once the stream has
+    ended, and the slot is saved then."""
+    sent_during, running, saved = await held_back_save(make, wait=60)
+    assert running and not sent_during and saved
+
+
+async def test_a_held_back_save_goes_when_its_wait_is_up(make: Maker) -> None:
+    sent_during, running, saved = await held_back_save(make, wait=0.2)
+    assert running and sent_during and saved

@@ -3,11 +3,13 @@ counts behind "ideal prefill" (rendered with /apply-template, counted with /toke
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 
 @dataclass
@@ -85,6 +87,42 @@ class Client:
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             seconds = time.perf_counter() - started
             return Reply(0, {}, {}, seconds, f"{type(exc).__name__}: {exc}")
+
+    async def stream_times(
+        self,
+        base: str,
+        messages: list[dict[str, Any]],
+        max_tokens: int,
+        first: asyncio.Event | None = None,
+        **extra: Any,
+    ) -> list[float]:
+        """Streamed, greedy: `time.perf_counter()` at each event that carries reply text (one
+        per token on llama-server); `first` is set at the first. Raises on an error status."""
+        body = {
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": True,
+            **extra,
+        }
+        times: list[float] = []
+        # Not kept alive: llama-server alone may drop a connection after a stream, and the
+        # next request on it would fail.
+        close = {"Connection": "close"}
+        async with self.session.post(
+            base + "/v1/chat/completions", json=body, headers=close
+        ) as resp:
+            resp.raise_for_status()
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                now = time.perf_counter()
+                choices = orjson.loads(line[6:]).get("choices") or [{}]
+                if (choices[0].get("delta") or {}).get("content"):
+                    times.append(now)
+                    if first is not None:
+                        first.set()
+        return times
 
     async def post_json(self, url: str, body: dict[str, Any]) -> Any:
         async with self.session.post(url, json=body) as resp:

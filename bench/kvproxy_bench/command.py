@@ -1,6 +1,6 @@
 """`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical,
-servers, swaps and fleet (not in `all`). The flags are defined in kvproxy/cli/bench.py (parsing them
-imports nothing from here); `run` gets them.
+servers, swaps, fleet and stalls (not in `all`). The flags are defined in kvproxy/cli/bench.py
+(parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -118,6 +118,20 @@ async def _run(args: argparse.Namespace) -> int:
                     fopts.arms = arms_of(args.arms, fleet.FLEET_ARM_FLAGS)
                 res = await fleet.run_fleet(env, fopts)
                 text = fleet.markdown(res)
+            elif name == "stalls":
+                from kvproxy_bench import stalls
+
+                stopts = stalls.StallsOptions(
+                    **_given(
+                        args,
+                        *("conversations", "slots", "prompt_tokens", "stream_tokens"),
+                        "max_tokens",
+                    )
+                )
+                if args.arms is not None:
+                    stopts.arms = arms_of(args.arms, stalls.STALLS_ARM_FLAGS)
+                res = await stalls.run_stalls(env, stopts)
+                text = stalls.markdown(res)
             elif name == "restore":
                 ropts = restore.RestoreOptions(sizes=_sizes(args))
                 if args.scenario == "restore" and args.repeats is not None:

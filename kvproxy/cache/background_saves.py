@@ -4,7 +4,10 @@ pressure.py), and the idle save after `idle_save_after`.
 Runs on the event loop, one save at a time, started whenever a slot becomes idle, a new
 conversation is seen, or housekeeping ticks. A save takes its slot from the pool like a
 request does (so nothing else touches the slot meanwhile), but never while a request waits
-for a slot, and gives it back without making it look recently used.
+for a slot, and gives it back without making it look recently used. While another slot
+serves a request and another idle slot is free, a due save is held back (at most `max_wait`
+seconds; pressure.py), and a save under way stops before its next step; a timer looks again
+when the hold is up.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ import time
 from collections.abc import Iterable
 
 from kvproxy.cache.leases import Background
-from kvproxy.cache.pressure import IdleView, LiveConversations, next_background_save
+from kvproxy.cache.pressure import (
+    IdleView,
+    LiveConversations,
+    SaveDecision,
+    gives_way,
+    next_background_save,
+)
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Slot, SlotPool
 from kvproxy.http.session import UpstreamError
@@ -31,17 +40,21 @@ class Warmer:
         background: Background,
         live_window: float,
         idle_save_after: float,
+        max_wait: float = 0.0,
     ) -> None:
         self.pool = pool
         self.work = work
         self.background = background
         self.live = LiveConversations(live_window)
         self.idle_save_after = idle_save_after
+        self.max_wait = max_wait
         self.enabled = False  # set once the cache serves (and cleared when it stops)
         self._running: asyncio.Future[None] | None = None
         # Holdings whose save failed: not tried again in the background (a request's own
         # eviction still tries), else a failing disk would be retried in a tight loop.
         self._failed: set[str] = set()
+        self._retry: asyncio.TimerHandle | None = None  # a look when a held-back save is due
+        self._gave_way = False  # the save under way stopped for another slot's request
         pool.on_release = self.kick
 
     def recall(self, used: Iterable[tuple[str, float]]) -> None:
@@ -64,10 +77,9 @@ class Warmer:
                 self._running = asyncio.ensure_future(self._run())
                 self.background.track(self._running)
 
-    def _choose(self) -> Slot | None:
+    def _views(self) -> list[IdleView]:
         now = time.monotonic()
-        slots = self.pool.slots
-        views = [
+        return [
             IdleView(
                 s.id,
                 s.busy,
@@ -75,14 +87,47 @@ class Warmer:
                 and s.holding.key not in self._failed
                 and self.work.worth_saving(s),
                 now - s.last_used,
+                serving=s.busy and not s.saving,
             )
-            for s in slots
+            for s in self.pool.slots
         ]
-        live = self.live.count(now) if self.live.window > 0 else 0
-        chosen = next_background_save(
-            views, live=live, waiting=self.pool.waiting, idle_save_after=self.idle_save_after
+
+    def _live(self) -> int:
+        return self.live.count(time.monotonic()) if self.live.window > 0 else 0
+
+    def _choose(self) -> Slot | None:
+        decision = next_background_save(
+            self._views(),
+            live=self._live(),
+            waiting=self.pool.waiting,
+            idle_save_after=self.idle_save_after,
+            max_wait=self.max_wait,
         )
-        return None if chosen is None else slots[chosen]
+        self._look_again(decision)
+        return None if decision.slot is None else self.pool.slots[decision.slot]
+
+    def _look_again(self, decision: SaveDecision) -> None:
+        """A held-back save is looked at again when its hold is up (a slot released earlier
+        kicks sooner)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if decision.retry_in is not None:
+            # A little past the bound, so the look finds the save overdue.
+            delay = decision.retry_in + 0.01
+            self._retry = asyncio.get_running_loop().call_later(delay, self.kick)
+
+    def _give_way(self, slot: Slot) -> bool:
+        """Called before each step of a background save (SlotWork.save)."""
+        if gives_way(
+            self._views(),
+            slot.id,
+            live=self._live(),
+            idle_save_after=self.idle_save_after,
+            max_wait=self.max_wait,
+        ):
+            self._gave_way = True
+        return self._gave_way
 
     async def _run(self) -> None:
         while self.enabled:
@@ -95,6 +140,7 @@ class Warmer:
     async def _save(self, slot: Slot) -> None:
         key = slot.holding.key if slot.holding is not None else ""
         saved = False
+        self._gave_way = False
         try:
             if await self.work.backend.asleep():
                 # Asleep, the server emptied its slots; a save would wake it for nothing.
@@ -102,11 +148,14 @@ class Warmer:
                 return
             await self.work.verify(slot)
             if self.work.worth_saving(slot):
-                saved = await self.work.save(slot, background=True)
+                saved = await self.work.save(
+                    slot, background=True, give_way=lambda: self._give_way(slot)
+                )
         except (UpstreamError, OSError) as exc:
             log.debug("background save of slot %d: %s", slot.id, exc)
         finally:
-            if not saved and not slot.claimed and slot.holding is not None and not slot.saved:
+            held_back = slot.claimed or self._gave_way
+            if not saved and not held_back and slot.holding is not None and not slot.saved:
                 self._failed.add(key)
             # Only the holdings still in a slot can come up again.
             self._failed &= {s.holding.key for s in self.pool.slots if s.holding is not None}

@@ -36,6 +36,7 @@ class Lane:
             ctx.background,
             settings.live_window,
             settings.effective_idle_save_after,
+            settings.background_save_wait,
         )
         self.unkeyed = Unkeyed(ctx, self.work)
         self.openings = Openings(ctx, self.work)

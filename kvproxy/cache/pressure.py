@@ -37,6 +37,17 @@ The policy:
 - A request for the slot being saved waits only for that save (`SlotPool.acquire` waits for
   the slot holding its conversation); the slot keeps its conversation, so the request is then
   resident. Background saves do not make a slot look recently used, so LRU stays LRU.
+- **Not while another slot serves a request, unless urgent**, for at most `max_wait` seconds
+  after the save became due: the server runs a save on its one loop, so every step of it (the
+  canonical prefix's evaluation, the state write) pauses the other slots' token streams and
+  delays their prefills and restores. A save is urgent when no other idle slot could take a
+  new conversation without a save (empty, on disk, or not worth a file): the next request
+  would then save this slot on its own path, which pauses the streams just as long and makes
+  that request wait too (measured with `kvproxy bench stalls`: two slots, one streaming,
+  turn 2 of the others 2.7 s against 1.4 s). A held-back save goes once those requests end,
+  or when `max_wait` is up, so it is never put off for good. A save under way gives way the
+  same way before each of its steps (`gives_way`). What a request itself must restore or save
+  cannot wait and is not held back.
 """
 
 from __future__ import annotations
@@ -57,6 +68,22 @@ class IdleView:
     busy: bool
     worth: bool  # its content would be lost and is worth a file (policy.worth_saving)
     idle_for: float  # seconds since a request last used it
+    serving: bool = False  # busy with a request (its prefill, stream, restore), not a save
+
+
+@dataclass(frozen=True)
+class SaveDecision:
+    """What background saves do now: save `slot`, or (`retry_in`) look again that much later,
+    when a due save was held back, or nothing (both None)."""
+
+    slot: int | None = None
+    retry_in: float | None = None
+
+
+def due_for(view: IdleView, *, pressure: bool, idle_save_after: float) -> float:
+    """Seconds since the slot's save became due (negative: not due yet): under pressure from
+    the moment it went idle, otherwise once it has been idle for `idle_save_after`."""
+    return view.idle_for if pressure else view.idle_for - idle_save_after
 
 
 def next_background_save(
@@ -65,19 +92,55 @@ def next_background_save(
     live: int,
     waiting: int,
     idle_save_after: float,
-) -> int | None:
-    """The slot to save now in the background, or None: least recently used first among the
-    idle slots worth a save, every one of them under pressure (more live conversations than
-    slots), otherwise only those idle for `idle_save_after`; none while a request waits."""
+    max_wait: float = 0.0,
+) -> SaveDecision:
+    """The slot to save now in the background: least recently used first among the idle
+    slots worth a save, every one of them under pressure (more live conversations than
+    slots), otherwise only those idle for `idle_save_after`; none while a request waits. While
+    another slot serves a request, and another idle slot is free for a new conversation, the
+    save is held back until it has been due `max_wait`."""
     if waiting > 0:
-        return None
+        return SaveDecision()
     pressure = live > len(slots)
     due = [
-        s for s in slots if not s.busy and s.worth and (pressure or s.idle_for >= idle_save_after)
+        s
+        for s in slots
+        if not s.busy
+        and s.worth
+        and due_for(s, pressure=pressure, idle_save_after=idle_save_after) >= 0
     ]
     if not due:
-        return None
-    return max(due, key=lambda s: s.idle_for).id
+        return SaveDecision()
+    first = max(due, key=lambda s: s.idle_for)
+    left = max_wait - due_for(first, pressure=pressure, idle_save_after=idle_save_after)
+    if left > 0 and _may_wait(slots, first.id):
+        return SaveDecision(retry_in=left)
+    return SaveDecision(slot=first.id)
+
+
+def _may_wait(slots: Sequence[IdleView], saving: int) -> bool:
+    """Another slot serves a request, and another idle slot could take a new conversation
+    without a save (so this one is not needed next)."""
+    others = [s for s in slots if s.id != saving]
+    return any(s.serving for s in others) and any(not s.busy and not s.worth for s in others)
+
+
+def gives_way(
+    slots: Sequence[IdleView],
+    saving: int,
+    *,
+    live: int,
+    idle_save_after: float,
+    max_wait: float,
+) -> bool:
+    """Before the next step of the background save of slot `saving`: stop it (it is done
+    later) when another slot started serving a request meanwhile, unless it is urgent or
+    overdue."""
+    mine = next((s for s in slots if s.id == saving), None)
+    if mine is None:
+        return False
+    waited = due_for(mine, pressure=live > len(slots), idle_save_after=idle_save_after)
+    return waited < max_wait and _may_wait(slots, saving)
 
 
 @dataclass

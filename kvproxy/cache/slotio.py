@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvproxy import keys
@@ -108,24 +109,30 @@ class SlotWork:
 
     # --- saving
 
-    async def save(self, slot: Slot, background: bool = False) -> bool:
+    async def save(
+        self,
+        slot: Slot,
+        background: bool = False,
+        give_way: Callable[[], bool] | None = None,
+    ) -> bool:
         """Save what the slot holds under its key. The slot must be ours and verified.
-        `background`: no request waits for it (counted apart)."""
+        `background`: no request waits for it (counted apart); it stops before each of its
+        steps on the server when its conversation's turn claims the slot, or when `give_way`
+        says so (another slot's request came: background_saves.py)."""
+
+        def stop() -> bool:
+            return background and (slot.claimed or (give_way is not None and give_way()))
+
         begun = time.perf_counter()
         holding = slot.holding
-        if (
-            holding is not None
-            and not holding.canonical
-            and holding.messages
-            and not (background and slot.claimed)
-        ):
+        if holding is not None and not holding.canonical and holding.messages and not stop():
             await self._make_canonical(slot)
         canonical_ms = (time.perf_counter() - begun) * 1000
         holding = slot.holding
         if holding is None:
             return False
-        if background and slot.claimed:
-            log.debug("slot %d: background save gives way to its conversation's turn", slot.id)
+        if stop():
+            log.debug("slot %d: background save gives way to a request", slot.id)
             return False
         temp = self.store.temp_name(holding.key)
         started = time.perf_counter()

@@ -86,6 +86,8 @@ class Slot:
     pending: tuple[int, int] | None = None
     # "saving" or "restoring" while kvproxy's save or restore of the slot is under way.
     action: str | None = None
+    # The keys of the conversation a request taking the slot is for, until it is given back.
+    serving: list[str] | None = None
 
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int:
         holding = self.holding
@@ -282,7 +284,12 @@ class SlotPool:
             # (the client already has it and sent the next turn): wait for that slot rather
             # than prefill elsewhere.
             home = max(self.slots, key=lambda s: s.shared_depth(keys, namespace))
-            if home.shared_depth(keys, namespace) > 0:
+            depth = home.shared_depth(keys, namespace)
+            if depth > 0 and home.serving is not None and shared_prefix(home.serving, keys) < depth:
+                # Another conversation's request took it: what it held is being replaced
+                # (and was saved first if it would be lost), not extended for this one.
+                depth = 0
+            if depth > 0:
                 wanted = home.id
                 if home.busy and home.saving:
                     home.claimed = True
@@ -319,6 +326,7 @@ class SlotPool:
                 slot, depth = self.choose(keys or [], namespace)
             slot.take()
             slot.mark_started()
+            slot.serving = list(keys) if keys else None
             return slot, depth
 
     async def acquire_all(self) -> list[Slot]:
@@ -369,6 +377,7 @@ class SlotPool:
         slot.busy = False
         slot.saving = False
         slot.claimed = False
+        slot.serving = None
         if used:
             slot.last_used = time.monotonic()
         if self.waiting:  # else nobody waits on the condition: no task to wake them

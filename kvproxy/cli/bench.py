@@ -49,6 +49,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--arms", help="comma-separated: no-cache, ram-starved, ram-room, kvproxy, kvproxy-ram"
     )
 
+    p = scenarios.add_parser(
+        "stalls", help="a token stream's gaps while kvproxy saves and restores on another slot"
+    )
+    _common(p)
+    p.add_argument("--conversations", type=int, help="the others, on the other slots (default 3)")
+    p.add_argument("--slots", type=int, help="the server's slots (default 2)")
+    p.add_argument("--prompt-tokens", type=int, help="system prompt of each other (default 3000)")
+    p.add_argument("--stream-tokens", type=int, help="the stream's length (default 256)")
+    p.add_argument("--max-tokens", type=int, help="the others' reply length")
+    p.add_argument("--arms", help="comma-separated: kvproxy, at-once, ram-cache")
+
     p = scenarios.add_parser("restore", help="TTFT restored vs re-prefilled, by size")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="largest size (1k, 2k, … up to it)")
