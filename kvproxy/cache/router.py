@@ -68,7 +68,7 @@ class Router:
 
     def model_lanes(self, payload: Any) -> list[tuple[RouterModels, Lane]]:
         """The lanes of the router model a request body names ("model"), one per router."""
-        name = payload.get("model") if isinstance(payload, dict) else None
+        name = _model_named(payload)
         found = []
         for group in self.models:
             lane = group.lane_for(name)
@@ -80,7 +80,7 @@ class Router:
         """`model_lanes`; for a name no lane serves, after looking for new router models
         (one the router listed since the last look gets its lane now)."""
         found = self.model_lanes(payload)
-        name = payload.get("model") if isinstance(payload, dict) else None
+        name = _model_named(payload)
         if not found and isinstance(name, str) and name:
             await self._find_new()
             found = self.model_lanes(payload)
@@ -245,6 +245,11 @@ class Router:
         ]
         index = choose_lane(views)
         return lanes[index], convs[index]
+
+
+def _model_named(payload: Any) -> object:
+    """The "model" a request body names (None: no object, or no such field)."""
+    return payload.get("model") if isinstance(payload, dict) else None
 
 
 def _view(lane: Lane, conv: Conversation | None) -> LaneView:
