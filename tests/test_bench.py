@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import orjson
 import pytest
 from kvproxy_bench import load, overhead, restore, workload
 from kvproxy_bench.arms import ALL_ARMS, DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY, BenchEnv
@@ -154,7 +155,11 @@ async def test_overhead_on_the_fake_upstream(env: BenchEnv) -> None:
         key_runs=3,
     )
     result = await overhead.run_overhead(env, opts)
-    assert [m.mode for m in result.modes] == [overhead.CACHE_ON, overhead.PASS_THROUGH]
+    assert [m.mode for m in result.modes] == [
+        overhead.CACHE_ON,
+        overhead.AGENT_TURNS,
+        overhead.PASS_THROUGH,
+    ]
     for mode in result.modes:
         assert mode.errors == 0
         assert len(mode.direct_ms) == len(mode.proxied_ms) == len(mode.floor_ms) == 20
@@ -162,7 +167,25 @@ async def test_overhead_on_the_fake_upstream(env: BenchEnv) -> None:
     assert len(result.key_ms) == 3
     text = overhead.markdown(result)
     assert "| cache on " in text and "| pass-through " in text and "Keys for" in text
+    assert "| cache on, agent turns " in text
     assert "minimal aiohttp pass-through added" in text
+
+
+def test_overhead_agent_turns_grow_a_conversation_then_start_another() -> None:
+    dialogue = overhead.Dialogue(overhead.AGENT_TURNS)
+    reply = orjson.dumps({"choices": [{"message": {"content": "ok"}}]})
+    bodies = []
+    for _ in range(overhead.TURNS_A_CONVERSATION + 1):
+        bodies.append(orjson.loads(dialogue.body())["messages"])
+        dialogue.replied(reply)
+    turns = overhead.TURNS_A_CONVERSATION
+    assert [len(b) for b in bodies] == [2 * (i + 1) for i in range(turns)] + [2]
+    assert bodies[1][:3] == [*bodies[0], {"role": "assistant", "content": "ok"}]
+    assert bodies[-1][1]["content"] == "Say ok (2)."  # a new session
+    same = overhead.Dialogue(overhead.CACHE_ON)
+    before = same.body()
+    same.replied(reply)
+    assert same.body() == before
 
 
 def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

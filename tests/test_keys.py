@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvproxy import keys
 
@@ -119,3 +121,52 @@ def test_a_large_conversation_keys() -> None:
     big = [{"role": "user" if i % 2 else "assistant", "content": "x" * 2000} for i in range(500)]
     result = chain(big)
     assert len(result) == 500 and len(set(result)) == 500
+
+
+def test_keys_are_the_ones_every_cache_on_disk_was_filed_under() -> None:
+    # A key that changed would orphan every user's saved conversations: these values were
+    # computed by the first implementation and must never change.
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are terse."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "ls", "arguments": '{"path": "."}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+    ]
+    ns = keys.namespace("gemma-3-270m", {"tools": [{"type": "function"}]}, "tenantA")
+    assert ns == "719e2182a688e78c462240a293762a29"
+    assert keys.chain(ns, messages) == [
+        "01cdc366bcffc59d9562284d62ad9a27",
+        "049f1f7b3d63bbd90bcc0a536ba45a68",
+        "be351a8fc6071940c140e203696d1a0f",
+        "82ba6491259e7faf23b3a5c4b9682e4e",
+    ]
+    assert keys.extend(ns, messages[0]) == "01cdc366bcffc59d9562284d62ad9a27"
+    assert keys.tenant_of({"Authorization": "Bearer k"}, None) == "205c7718dbab340927584640d1251e6f"
+    assert keys.stem(ns, "system", "You are") == "439ece7cc1abd73312b56b6f4ba902d9"
+
+
+@given(
+    st.lists(st.sampled_from(["a", "b", "c"]), max_size=12),
+    st.lists(st.sampled_from(["a", "b", "c"]), max_size=12),
+)
+def test_shared_chain_is_the_shared_prefix_of_two_conversations(
+    first: list[str], second: list[str]
+) -> None:
+    # Bisection relies on each key hashing the one before it: checked against the plain scan.
+    one = chain([{"role": "user", "content": text} for text in first])
+    two = chain([{"role": "user", "content": text} for text in second])
+    assert keys.shared_chain(one, two) == keys.shared_prefix(one, two)
+    assert keys.shared_chain(one, one[: len(one) // 2]) == len(one) // 2

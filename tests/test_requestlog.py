@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from kvproxy.cache.events import MissExplanation, RequestEvent
 from kvproxy.cache.policy import Decision
 from kvproxy.cli import setup_logging
 from kvproxy.cli.flags import load_settings
+from kvproxy.cli.logwriter import LogWriter
 from kvproxy.obs.requestlog import JsonFormatter, format_request, request_fields
 
 from .conftest import Maker, RunningProxy
@@ -138,3 +140,32 @@ def test_the_line_says_what_kvproxy_computed_for_the_request() -> None:
     event.evaluated = 1514
     assert "prompt_n=25 evaluated=1514" in format_request(event)
     assert request_fields(event)["evaluated"] == 1514
+
+
+def test_log_writer_writes_a_batch_in_one_write_in_order() -> None:
+    """Each write gives up the GIL and takes it back from the event loop: a batch of lines
+    goes out in one write per stream, in the order the records came, filters applied."""
+
+    class Stream:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Stream()
+    ours = logging.StreamHandler(stream)
+    ours.addFilter(lambda r: r.name != "llama-server")
+    theirs = logging.StreamHandler(stream)
+    theirs.setFormatter(logging.Formatter("llama: %(message)s"))
+    theirs.addFilter(lambda r: r.name == "llama-server")
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    writer = LogWriter(records, ours, theirs, interval=60)
+    writer.start()
+    for name, message in [("kvproxy", "one"), ("llama-server", "two"), ("kvproxy", "three")]:
+        records.put(logging.LogRecord(name, logging.INFO, __file__, 1, message, None, None))
+    writer.stop()
+    assert stream.writes == ["one\nllama: two\nthree\n"]

@@ -1,7 +1,8 @@
 """`overhead`: kvproxy's own cost against the direct path, on the fake llama-server
-(`kvproxy_fake.server`, no prompt or token delays: it answers at once), in two modes:
-cache on (the fake answers `/slots`, so every chat request is keyed, pinned and its slot
-checked with `GET /slots`) and pass-through (`--no-slots`: `/slots` answers 501, as a server
+(`kvproxy_fake.server`, no prompt or token delays: it answers at once), in three modes:
+cache on (the fake answers `/slots`, so every chat request is keyed and pinned; the same
+request each time, and an agent's turns: each request the last one, its reply and a new
+message) and pass-through (`--no-slots`: `/slots` answers 501, as a server
 without slots would: kvproxy relays uncached). Slot save/restore answer 501 (no
 `--slot-save-path`): these runs never touch the disk.
 
@@ -41,7 +42,10 @@ from kvproxy_bench.process import LoggedProcess
 from kvproxy_bench.report import progress, table
 
 CACHE_ON = "cache on"
+# Cache on, each request an agent's next turn: the last one, its reply and a new message.
+AGENT_TURNS = "cache on, agent turns"
 PASS_THROUGH = "pass-through"
+TURNS_A_CONVERSATION = 16  # then a new conversation (a new session: kvproxy's cold path)
 JSON_HEADERS = {"Content-Type": "application/json"}
 FAKE_MIN_CTX = 4096  # the fake's context per slot, unless a stream needs more
 
@@ -55,7 +59,7 @@ class OverheadOptions:
     key_bytes: int = 1_000_000
     key_messages: int = 500
     key_runs: int = 30
-    modes: tuple[str, ...] = (CACHE_ON, PASS_THROUGH)
+    modes: tuple[str, ...] = (CACHE_ON, AGENT_TURNS, PASS_THROUGH)
 
 
 @dataclass
@@ -167,7 +171,7 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
         "--ignore-eos",
         "--ctx-size",
         str(max(FAKE_MIN_CTX, opts.sse_events + 1024)),
-        "--slots" if mode == CACHE_ON else "--no-slots",
+        "--no-slots" if mode == PASS_THROUGH else "--slots",
     ]
     fake = LoggedProcess(workdir / "fake.log")
     direct = f"http://127.0.0.1:{fake_port}"
@@ -199,26 +203,20 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
         await _wait_up(session, proxied + "/kvproxy/stats", proxy)
         await floor.start(floor_command)
         await _wait_up(session, floored + "/health", floor)
-        body = orjson.dumps(
-            {
-                "messages": [
-                    {"role": "system", "content": "You are a benchmark."},
-                    {"role": "user", "content": "Say ok."},
-                ],
-                "max_tokens": 8,
-                "temperature": 0,
-            }
-        )
-        arms = [(direct, out.direct_ms), (proxied, out.proxied_ms), (floored, out.floor_ms)]
+        arms = [
+            (direct, out.direct_ms, Dialogue(mode)),
+            (proxied, out.proxied_ms, Dialogue(mode)),
+            (floored, out.floor_ms, Dialogue(mode)),
+        ]
         for _ in range(50):  # warm up connections, caches and the proxies' code paths
-            for base, _times in arms:
-                await _small(session, base, body, out)
+            for base, _times, dialogue in arms:
+                await _small(session, base, dialogue, out)
         out.errors = 0
         cpu = [_cpu_s(p) for p in (proxy, floor)]
         for i in range(opts.requests):
             # Each arm goes first, second and last in turn: none always follows the same one.
-            for base, times in arms[i % 3 :] + arms[: i % 3]:
-                times.append(await _small(session, base, body, out))
+            for base, times, dialogue in arms[i % 3 :] + arms[: i % 3]:
+                times.append(await _small(session, base, dialogue, out))
         per = 1e6 / max(opts.requests, 1)
         out.proxy_cpu_us = (_cpu_s(proxy) - cpu[0]) * per
         out.floor_cpu_us = (_cpu_s(floor) - cpu[1]) * per
@@ -257,13 +255,53 @@ def _cpu_s(proc: LoggedProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _small(session: aiohttp.ClientSession, base: str, body: bytes, out: ModeResult) -> float:
+class Dialogue:
+    """One path's small requests: the same two messages each time, or (agent turns) each
+    request the last one, its reply and a new message, a new conversation every
+    `TURNS_A_CONVERSATION` turns. Every path gets the same requests."""
+
+    def __init__(self, mode: str) -> None:
+        self.turns = mode == AGENT_TURNS
+        self.conversations = 0
+        self.messages = self._opening()
+
+    def _opening(self) -> list[dict[str, Any]]:
+        self.conversations += 1
+        return [
+            {"role": "system", "content": "You are a benchmark."},
+            {"role": "user", "content": f"Say ok ({self.conversations})."},
+        ]
+
+    def body(self) -> bytes:
+        return orjson.dumps({"messages": self.messages, "max_tokens": 8, "temperature": 0})
+
+    def replied(self, reply: bytes) -> None:
+        if not self.turns:
+            return
+        if len(self.messages) >= 2 * TURNS_A_CONVERSATION:
+            self.messages = self._opening()
+            return
+        text = orjson.loads(reply)["choices"][0]["message"]["content"]
+        turn = len(self.messages) // 2
+        self.messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"Tool result {turn}: ok."},
+        ]
+
+
+async def _small(
+    session: aiohttp.ClientSession, base: str, dialogue: Dialogue, out: ModeResult
+) -> float:
+    body = dialogue.body()
     started = time.perf_counter()
     async with session.post(base + "/v1/chat/completions", data=body, headers=JSON_HEADERS) as r:
-        await r.read()
+        reply = await r.read()
+        elapsed = (time.perf_counter() - started) * 1000
         if r.status != 200:
             out.errors += 1
-    return (time.perf_counter() - started) * 1000
+            return elapsed
+    dialogue.replied(reply)
+    return elapsed
 
 
 def _stream_body(n: int) -> bytes:

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvproxy_bench.arms import DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY
 from kvproxy_bench.load import LoadResult
-from kvproxy_bench.overhead import CACHE_ON, PASS_THROUGH, OverheadResult
+from kvproxy_bench.overhead import AGENT_TURNS, CACHE_ON, PASS_THROUGH, OverheadResult
 from kvproxy_bench.report import table
 from kvproxy_bench.restore import RestoreResult
 from kvproxy_bench.workload import (
@@ -107,13 +107,12 @@ def overhead_checks(result: OverheadResult) -> list[Check]:
     out = []
     for m in result.modes:
         s = m.summary()
-        p50, p99 = (
-            (OVERHEAD_P50_MS, OVERHEAD_P99_MS) if m.mode == CACHE_ON else (PASS_P50_MS, PASS_P99_MS)
-        )
-        if m.mode == CACHE_ON and m.floor_ms:
+        cached = m.mode in (CACHE_ON, AGENT_TURNS)
+        p50, p99 = (OVERHEAD_P50_MS, OVERHEAD_P99_MS) if cached else (PASS_P50_MS, PASS_P99_MS)
+        if cached and m.floor_ms:
             out.append(
                 Check(
-                    f"overhead (cache on): p50 within {FLOOR_MARGIN_MS:g} ms of a minimal "
+                    f"overhead ({m.mode}): p50 within {FLOOR_MARGIN_MS:g} ms of a minimal "
                     "aiohttp pass-through",
                     f"{s['above_floor_p50_ms']:+.2f} ms",
                     s["above_floor_p50_ms"] <= FLOOR_MARGIN_MS,
@@ -206,7 +205,7 @@ def summary_table(results: dict[str, Any]) -> str:
     ov: OverheadResult | None = results.get("overhead")
     if ov is not None:
         for m in ov.modes:
-            if m.mode in (CACHE_ON, PASS_THROUGH):
+            if m.mode in (CACHE_ON, AGENT_TURNS, PASS_THROUGH):
                 om = m.summary()
                 rows.append(
                     [

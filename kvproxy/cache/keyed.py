@@ -24,12 +24,7 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
 from kvproxy.cache.explain import explain_against, why_weak
 from kvproxy.cache.leases import Lease
-from kvproxy.cache.policy import (
-    Decision,
-    RestoreVerdict,
-    judge_restore,
-    judge_reuse,
-)
+from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.prepared import Prepared
 from kvproxy.cache.slotio import SlotWork
@@ -153,7 +148,9 @@ class Conversations:
         lease = Lease(self.pool, [slot], self.background)
         try:
             try:
-                prepared = await lease.guarded(self.preparer.prepare_or_miss(slot, conv))
+                prepared = self.preparer.at_once(slot, conv)  # the steady state: no I/O, no task
+                if prepared is None:
+                    prepared = await lease.guarded(self.preparer.prepare_or_miss(slot, conv))
             except asyncio.CancelledError:
                 # Gone while kvproxy readied its slot (a restore, an opening's evaluation,
                 # which go on): nothing was served, and the request is reported as such.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Literal
 
-from kvproxy.keys import shared_prefix
+from kvproxy.keys import shared_chain
 
 # Restores the server did not reuse, in a row, before kvproxy stops restoring a namespace.
 INEFFECTIVE_LIMIT = 3
@@ -196,7 +196,7 @@ def worth_saving(
         return False
     if held.n_tokens < min_tokens:
         return False
-    return incoming is None or shared_prefix(held.chain, incoming) < len(held.chain) - 1
+    return incoming is None or shared_chain(held.chain, incoming) < len(held.chain) - 1
 
 
 class RestoreVerdict(Enum):

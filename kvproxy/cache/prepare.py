@@ -55,6 +55,23 @@ class Preparer:
             await self.work.admit(slot, conv.tenant)
             return MISS
 
+    def at_once(self, slot: Slot, conv: Conversation) -> Prepared | None:
+        """The steady state of an agent loop, decided with no I/O (and so with no task): the
+        slot, trusted as last seen, holds everything the request goes on from, and the
+        request adds a turn. None: `prepare_or_miss` decides (it may ask the index and the
+        server). The same decision `prepare` takes in that case, in the same order of
+        effects: what the slot holds is learnt from, no index query, the resident plan."""
+        if slot.holding is None or not self.pool.still_as_seen(slot, SNAPSHOT_TRUST):
+            return None
+        resident = self.openings.resident_depth(slot, conv)
+        if not next_turn_of(slot, conv, resident):
+            return None
+        plan = decide(self._facts_but_opening(slot, conv, NOTHING_FOUND, resident))
+        if plan.move is not Move.USE_RESIDENT or plan.acts_on_slot or plan.admit:
+            return None
+        self.learner.from_slot(slot, conv)
+        return self._resident(slot, conv, plan, resident)
+
     async def prepare(self, slot: Slot, conv: Conversation) -> Prepared:
         """Get the conversation's state into the slot (ours), as far as kvproxy can."""
         learnt = self.learner.from_slot(slot, conv)
@@ -71,7 +88,7 @@ class Preparer:
         if plan.move is Move.RESTORE:
             return await self._restore(slot, conv, found, verified)
         if plan.move is Move.USE_RESIDENT:
-            return self._resident(slot, conv, plan)
+            return self._resident(slot, conv, plan, self.openings.resident_depth(slot, conv))
         return await self._start_cold(slot, conv, verified)
 
     async def _find(self, slot: Slot, conv: Conversation, observe: bool) -> Found:
@@ -88,20 +105,29 @@ class Preparer:
 
     async def _facts(self, slot: Slot, conv: Conversation, found: Found) -> Facts:
         resident = self.openings.resident_depth(slot, conv)
+        facts = self._facts_but_opening(slot, conv, found, resident)
         held = slot.holding
-        held_depth = len(held.chain) if held is not None else 0
-        facts = Facts(
+        if held is None or (
+            resident == facts.held_depth and decide(facts).move is Move.USE_RESIDENT
+        ):
+            return facts  # nothing the request does not extend: no opening to leave
+        return replace(facts, held_opening=bool(await self.openings.wanted(held)))
+
+    def _facts_but_opening(
+        self, slot: Slot, conv: Conversation, found: Found, resident: int
+    ) -> Facts:
+        """The facts with no I/O: whether the slot's conversation passes through a wanted
+        opening (an index query) is left False."""
+        held = slot.holding
+        return Facts(
             resident=resident,
-            held_depth=held_depth,
+            held_depth=len(held.chain) if held is not None else 0,
             stored=found.best[1] if found.best is not None else None,
             restores_allowed=self.ctx.guard.allows(conv.namespace),
             worth_saving=self.work.worth_saving(slot, conv.keys),
             held_opening=False,
             stem=found.stem,
         )
-        if held is None or (resident == held_depth and decide(facts).move is Move.USE_RESIDENT):
-            return facts  # nothing the request does not extend: no opening to leave
-        return replace(facts, held_opening=bool(await self.openings.wanted(held)))
 
     async def _vacate(self, slot: Slot, conv: Conversation, plan: Plan) -> None:
         """Before the slot changes hands: what it holds is saved if it would be lost, its
@@ -137,8 +163,8 @@ class Preparer:
             evaluated=evaluated,
         )
 
-    def _resident(self, slot: Slot, conv: Conversation, plan: Plan) -> Prepared:
-        resident, held = self.openings.resident_depth(slot, conv), slot.holding
+    def _resident(self, slot: Slot, conv: Conversation, plan: Plan, resident: int) -> Prepared:
+        held = slot.holding
         if plan.leave_opening and resident == 0:
             return MISS  # the slot could not be cut back to what the request shares
         expected = (

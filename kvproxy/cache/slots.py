@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvproxy.cache.policy import HeldView
-from kvproxy.keys import shared_prefix
+from kvproxy.keys import shared_chain
 from kvproxy.server.api import SlotInfo
 
 
@@ -93,7 +93,7 @@ class Slot:
         holding = self.holding
         if holding is None or holding.namespace != namespace:
             return 0
-        return shared_prefix(holding.chain, keys)
+        return shared_chain(holding.chain, keys)
 
     def view(self) -> HeldView | None:
         """What the slot holds, for the policy."""
@@ -116,7 +116,7 @@ class Slot:
         ):
             # The slot went on from a restored state: that part is still the restored one.
             if old.namespace == holding.namespace:
-                kept = min(old.restored_depth, shared_prefix(old.chain, holding.chain))
+                kept = min(old.restored_depth, shared_chain(old.chain, holding.chain))
                 holding.restored_depth = kept
         self.holding = holding
         self.saved = saved
@@ -285,7 +285,7 @@ class SlotPool:
             # than prefill elsewhere.
             home = max(self.slots, key=lambda s: s.shared_depth(keys, namespace))
             depth = home.shared_depth(keys, namespace)
-            if depth > 0 and home.serving is not None and shared_prefix(home.serving, keys) < depth:
+            if depth > 0 and home.serving is not None and shared_chain(home.serving, keys) < depth:
                 # Another conversation's request took it: what it held is being replaced
                 # (and was saved first if it would be lost), not extended for this one.
                 depth = 0
