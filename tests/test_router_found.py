@@ -187,3 +187,30 @@ async def test_each_router_serves_a_model_and_no_swap_is_made_while_another_has_
             assert first.unloads == [] and second.unloads == []
         finally:
             await proxy.stop()
+
+
+async def test_a_reload_through_kvproxy_reaches_every_router(cache: Path) -> None:
+    """A model copied into the models dir of several routers: one `GET /models?reload=1`
+    through kvproxy makes each read it, so a request naming it is served whichever router
+    it goes to."""
+    names = fake_models(["coder"])
+    async with (
+        FakeRouter(names, models_max=2, slot_save_path=cache) as first,
+        FakeRouter(names, models_max=2, slot_save_path=cache) as second,
+    ):
+        proxy = await start_proxy([first.url, second.url], cache)
+        try:
+            first.add_file("chat")
+            second.add_file("chat")
+            async with aiohttp.ClientSession() as s:
+                async with s.get(proxy.url + "/v1/models?reload=1") as resp:
+                    assert resp.status == 200
+                    assert "chat" in [m["id"] for m in (await resp.json())["data"]]
+                for router in (first, second):
+                    async with s.get(router.url + "/models") as resp:
+                        assert "chat" in [m["id"] for m in (await resp.json())["data"]]
+            for n in (1, 2):  # the two conversations go to both routers (each idle then)
+                await two_turns(proxy, "chat", n)
+            assert lane_models(proxy) == ["chat", "chat", "coder", "coder"]
+        finally:
+            await proxy.stop()

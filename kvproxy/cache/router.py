@@ -110,6 +110,14 @@ class Router:
             views.append(_view(lane, conv if isinstance(conv, Conversation) else None))
         return found[picks[choose_lane(views)]]
 
+    def routers(self) -> list[Lane]:
+        """A lane of each router-mode server (its models' lanes share its address)."""
+        seen: dict[str, Lane] = {}
+        for lane in self.lanes:
+            if lane.backend.router or lane.backend.model is not None:
+                seen.setdefault(lane.backend.upstream.base_url, lane)
+        return list(seen.values())
+
     async def management_lane(self, path: str, body: bytes) -> Lane:
         """The lane whose slots a model-management route holds (and saves) while it runs:
         with router models, the named model's, after saving what a load will unload."""

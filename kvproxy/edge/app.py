@@ -44,6 +44,9 @@ PINNABLE_PATHS = routes.paths(Treatment.PINNED)
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
 UNPINNABLE_PATHS = frozenset({"/v1/messages", *routes.paths(Treatment.EVERY_SLOT)})
 MANAGEMENT_PATHS = frozenset(r.path for r in routes.MODEL_MANAGEMENT)
+# Where a router lists its models, and reads its models dir again with `?reload=1`
+# (server-models.cpp `get_router_models`: any non-empty value).
+MODEL_LISTS = frozenset({"/models", "/v1/models"})
 
 
 class Service:
@@ -268,7 +271,26 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         lane = await router.management_lane(path, body)
         return await lane.unkeyed.hold_all(request, _path_qs(path, request), body)
+    if request.method == "GET" and path in MODEL_LISTS and request.query.get("reload"):
+        return await reload_every_router(request, service, _path_qs(path, request))
     return await forward(request, service, _path_qs(path, request))
+
+
+async def reload_every_router(
+    request: web.Request, service: Service, path_qs: str
+) -> web.StreamResponse:
+    """`GET /models?reload=1` makes a router read its models dir again. Forwarded, it would
+    reach one router: with several behind kvproxy, a model copied in would be found on that
+    one only. The others are asked first; the client gets the last one's answer."""
+    *others, last = service.cache.router.routers() or [service.cache.router.pick()]
+    outcomes = await asyncio.gather(
+        *(lane.backend.upstream.get_json(path_qs) for lane in others), return_exceptions=True
+    )
+    for lane, outcome in zip(others, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            log.warning("reloading the model list of %s: %s", lane.name, outcome)
+    result = await relay(request, last.backend.upstream, path_qs, None, body_replaced=True)
+    return result.response
 
 
 async def forward(
