@@ -149,7 +149,7 @@ def chain(ns: str, messages: Sequence[Any]) -> list[str]:
     keys: list[str] = []
     key = ns
     for message in messages:
-        key = xxhash.xxh3_128_hexdigest(key.encode() + b"\0" + message_bytes(message))
+        key = extend(key, message)
         keys.append(key)
     return keys
 

@@ -289,8 +289,7 @@ async def reload_every_router(
     for lane, outcome in zip(others, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             log.warning("reloading the model list of %s: %s", lane.name, outcome)
-    result = await relay(request, last.backend.upstream, path_qs, None, body_replaced=True)
-    return result.response
+    return await forward(request, service, path_qs, upstream=last.backend.upstream)
 
 
 async def forward(
@@ -298,10 +297,12 @@ async def forward(
     service: Service,
     path_qs: str,
     extra_headers: Mapping[str, str] | None = None,
+    upstream: Upstream | None = None,
 ) -> web.StreamResponse:
-    """Plain pass-through of a request whose body was read whole (read_body)."""
+    """Plain pass-through of a request whose body was read whole (read_body), to `upstream`
+    or the server `Router.pick` gives."""
     data = await request.read() if request.body_exists else None
-    upstream = service.cache.router.pick().backend.upstream
+    upstream = upstream or service.cache.router.pick().backend.upstream
     result = await relay(
         request, upstream, path_qs, data, body_replaced=True, extra_headers=extra_headers
     )
