@@ -127,7 +127,9 @@ class Conversations:
             return await self.unkeyed.hold_all(request, path_qs, body)
 
         try:
-            slot, _ = await self.pool.acquire(conv.keys, conv.namespace)
+            slot, _ = await self.pool.acquire(
+                conv.keys, conv.namespace, serves=self.preparer.serves(conv)
+            )
         except QueueFull as exc:
             waited = time.perf_counter() - started
             self.events.request(

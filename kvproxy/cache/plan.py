@@ -4,6 +4,11 @@
 (prepare.py gathers them); `decide` turns them into a `Plan`. Every plan but "use what the
 slot holds" first vacates the slot, in one order: save what would be lost, leave the opening
 it passes through on disk, admit the request's tenant (erasing another tenant's tokens).
+
+The invariant every plan keeps: nothing runs on a slot holding a state kvproxy could still
+save unless it is saved first, or the request goes on from it (`worth_saving` says which).
+A request that shares only part of what the slot holds (another session of the same
+opening, a branch) replaces the rest, so it saves first too.
 """
 
 from __future__ import annotations
@@ -44,8 +49,14 @@ def decide(facts: Facts) -> Plan:
     if move is Move.START_COLD and facts.stem and facts.restores_allowed:
         move = Move.RESTORE
     if move is Move.USE_RESIDENT:
-        # A new session or a branch that parts from the slot's conversation keeps that
-        # conversation, and leaves the opening they share on disk and in the slot.
-        branch = facts.resident < facts.held_depth and facts.held_opening
-        return Plan(move, save=branch and facts.worth_saving, leave_opening=branch, admit=False)
+        # A new session or a branch that parts from the slot's conversation replaces what
+        # the slot holds past the part they share: that conversation is saved first (it
+        # would be lost), and the opening they share is left on disk and in the slot.
+        branch = facts.resident < facts.held_depth
+        return Plan(
+            move,
+            save=branch and facts.worth_saving,
+            leave_opening=branch and facts.held_opening,
+            admit=False,
+        )
     return Plan(move, save=facts.worth_saving, leave_opening=facts.held_opening, admit=True)

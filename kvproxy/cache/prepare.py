@@ -19,6 +19,7 @@ from kvproxy.cache.openings import NOTHING_FOUND, Found, Openings
 from kvproxy.cache.plan import Facts, Plan, decide
 from kvproxy.cache.policy import Decision, Move, expected_resident
 from kvproxy.cache.prepared import MISS, Prepared, next_turn_of
+from kvproxy.cache.slotchoice import Serves
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Slot
 from kvproxy.http.session import UpstreamError
@@ -54,6 +55,11 @@ class Preparer:
             slot.forget()
             await self.work.admit(slot, conv.tenant)
             return MISS
+
+    def serves(self, conv: Conversation) -> Serves:
+        """How deep a slot serves `conv`: what the server will reuse of what it holds (a
+        state restored from disk cannot be cut back on every model class)."""
+        return lambda slot: self.openings.resident_depth(slot, conv)
 
     def at_once(self, slot: Slot, conv: Conversation) -> Prepared | None:
         """The steady state of an agent loop, decided with no I/O (and so with no task): the

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvproxy.cache.policy import HeldView
+from kvproxy.cache.slotchoice import Serves, choose, home_of
 from kvproxy.keys import shared_chain
 from kvproxy.server.api import SlotInfo
 
@@ -261,35 +262,23 @@ class SlotPool:
         """Slots whose conversation is of `namespace` (so never another tenant's)."""
         return [s for s in self.slots if s.holding is not None and s.holding.namespace == namespace]
 
-    def choose(self, keys: list[str], namespace: str) -> tuple[Slot, int]:
-        """An idle slot for a conversation, and how deep it already holds it.
-
-        The slot already holding the longest prefix wins (no disk I/O at all); else the least
-        recently used slot, preferring empty ones, then ones whose content is on disk.
-        """
-        idle = self.idle()
-        best = max(idle, key=lambda s: s.shared_depth(keys, namespace))
-        depth = best.shared_depth(keys, namespace)
-        if depth > 0:
-            return best, depth
-        return min(idle, key=lambda s: (s.holding is not None, not s.saved, s.last_used)), 0
-
     async def acquire(
-        self, keys: list[str] | None = None, namespace: str = "", wanted: int | None = None
+        self,
+        keys: list[str] | None = None,
+        namespace: str = "",
+        wanted: int | None = None,
+        serves: Serves | None = None,
     ) -> tuple[Slot, int]:
-        """Wait (bounded) for an idle slot and mark it busy. `wanted` asks for one slot id."""
+        """Wait (bounded) for an idle slot and mark it busy. `wanted` asks for one slot id;
+        `serves`, how deep a slot serves the conversation `keys` (see `choose`)."""
 
         if wanted is None and keys:
             # The slot holding this conversation may be busy only finishing its last reply
             # (the client already has it and sent the next turn): wait for that slot rather
-            # than prefill elsewhere.
-            home = max(self.slots, key=lambda s: s.shared_depth(keys, namespace))
-            depth = home.shared_depth(keys, namespace)
-            if depth > 0 and home.serving is not None and shared_chain(home.serving, keys) < depth:
-                # Another conversation's request took it: what it held is being replaced
-                # (and was saved first if it would be lost), not extended for this one.
-                depth = 0
-            if depth > 0:
+            # than prefill elsewhere. Not for a slot that only shares an opening with it, nor
+            # one another conversation's request took (its content is being replaced).
+            home = home_of(self.slots, keys, namespace)
+            if home is not None:
                 wanted = home.id
                 if home.busy and home.saving:
                     home.claimed = True
@@ -323,7 +312,7 @@ class SlotPool:
             if wanted is not None and not keys:
                 slot, depth = self.slots[wanted], 0
             else:
-                slot, depth = self.choose(keys or [], namespace)
+                slot, depth = choose(self.idle(), keys or [], namespace, serves)
             slot.take()
             slot.mark_started()
             slot.serving = list(keys) if keys else None

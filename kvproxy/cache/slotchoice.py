@@ -1,0 +1,65 @@
+"""Which slot a request goes to: the pool's choice, on plain data (no waiting, no I/O).
+
+As the server's own choice by longest common prefix would, a conversation goes to the slot
+that holds most of what the server will reuse for it; and a slot that holds only what the
+conversation shares with another (a common opening) is no conversation's "home" to wait for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvproxy.keys import shared_chain
+
+if TYPE_CHECKING:
+    from kvproxy.cache.slots import Slot
+
+# How deep a slot serves a conversation: the boundaries the server will reuse of what it holds.
+Serves = Callable[["Slot"], int]
+
+
+def _whole(slot: Slot, depth: int) -> bool:
+    """The request goes on from everything the slot holds (nothing of it is replaced)."""
+    return slot.holding is not None and depth >= len(slot.holding.chain)
+
+
+def choose(
+    idle: Sequence[Slot], keys: list[str], namespace: str, serves: Serves | None = None
+) -> tuple[Slot, int]:
+    """An idle slot for a conversation, and how deep it already holds it.
+
+    The slot holding the longest prefix the server will reuse wins (`serves`: how deep a
+    slot serves the request, by the model class; the shared keys when not given); among
+    equals, one the request goes on from whole, then one whose content is on disk (no save
+    first). Else the least recently used slot, preferring empty ones, then ones on disk.
+    """
+    depth_of = serves or (lambda s: s.shared_depth(keys, namespace))
+    depths = [depth_of(s) for s in idle]
+    best = max(
+        range(len(idle)),
+        key=lambda i: (depths[i], _whole(idle[i], depths[i]), idle[i].saved),
+    )
+    if depths[best] > 0:
+        return idle[best], depths[best]
+    return min(idle, key=lambda s: (s.holding is not None, not s.saved, s.last_used)), 0
+
+
+def home_of(slots: Sequence[Slot], keys: list[str], namespace: str) -> Slot | None:
+    """The slot holding this very conversation, idle or busy: the request goes on from
+    everything it holds (or all but a last message it rewrites), or it is busy with the
+    conversation's previous request. A slot holding only what the request shares with
+    another conversation (a common opening) is not its home: its content is another's."""
+    best: Slot | None = None
+    best_depth = 0
+    for slot in slots:
+        depth = slot.shared_depth(keys, namespace)
+        if depth <= best_depth or slot.holding is None:
+            continue
+        if slot.serving is not None:
+            ours = shared_chain(slot.serving, keys) == len(slot.serving)
+        else:
+            ours = depth >= len(slot.holding.chain) - 1
+        if ours:
+            best, best_depth = slot, depth
+    return best
