@@ -30,7 +30,9 @@ from kvproxy.cache.backend import SLOT_PICKING_ROUTES
 
 class Treatment(StrEnum):
     KEYED = "keyed"  # conversations keyed, pinned, saved and restored (cache/keyed.py)
-    PINNED = "pinned"  # pinned to a slot kvproxy then forgets (cache/unkeyed.py)
+    # pinned to the slot kvproxy chose (cache/unkeyed.py); a single text prompt is keyed
+    # over its blocks, saved and restored (cache/prompts.py), anything else forgotten after
+    PINNED = "pinned"
     EVERY_SLOT = "every slot"  # the server picks the slot: held with every slot
     PASS = "pass"  # streamed through unchanged; uses no slot
     OWN = "kvproxy"  # answered by kvproxy itself (admin token off loopback)
@@ -100,8 +102,13 @@ ROUTES: tuple[Route, ...] = (
     *_each(("/v1/responses", "/responses"), POST, Treatment.KEYED, "OpenAI Responses, as chat"),
     Route("/v1/messages", POST, Treatment.KEYED, "Anthropic Messages, sent to the server as chat"),
     # --- routes whose `id_slot` the server honours
-    *_each(("/completion", "/completions", "/v1/completions"), POST, Treatment.PINNED),
-    Route("/infill", POST, Treatment.PINNED),
+    *_each(
+        ("/completion", "/completions", "/v1/completions"),
+        POST,
+        Treatment.PINNED,
+        "text completion: one prompt keyed, saved and restored",
+    ),
+    Route("/infill", POST, Treatment.PINNED, "code infill: keyed on extra context and prefix"),
     # --- routes on slots the server picks itself (cache/backend.py SLOT_PICKING_ROUTES)
     *_each(SLOT_PICKING_ROUTES, POST, Treatment.EVERY_SLOT),
     # --- no slot
