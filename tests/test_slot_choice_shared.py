@@ -76,3 +76,15 @@ def test_a_slot_sharing_only_an_opening_is_no_conversations_home() -> None:
     assert home_of([idle], ["sys", "b1"], "ns") is idle, "it rewrites its last message"
     assert home_of([idle], ["sys", "b9"], "ns") is None
     assert home_of([idle], ["sys", "b1", "b2", "b3"], "other-tenant") is None
+
+
+def test_a_returning_session_restores_on_a_free_slot_rather_than_push_another_out() -> None:
+    """Session A's state is on disk; its old slot now holds session B, unsaved, of the same
+    opening. A's next turn takes the empty slot (restoring its own state there), not B's."""
+    b = Slot(0, holding("sys", "b1", "b2"), saved=False)
+    empty = Slot(1)
+    slot, depth = choose([b, empty], ["sys", "a1", "a2", "a3"], "ns")
+    assert slot is empty and depth == 0
+    # A new session of the opening still starts from the slot holding it.
+    slot, depth = choose([b, empty], ["sys", "c1"], "ns")
+    assert slot is b and depth == 1

@@ -116,6 +116,7 @@ class Openings:
     async def find(self, conv: Conversation) -> Found:
         """The stored entries for the request, in one index query (and a second only when
         the entry found expired since housekeeping last applied the TTL)."""
+        await self.work.saves_done(conv.keys)
         found = await self.store.candidates_async(conv.keys, conv.namespace)
         best = await self._pick(conv, found)
         if best is not None and self.store.expired(best[0]):

@@ -153,6 +153,7 @@ class Prompts:
         """The stored state the server will reuse more of than the slot serves, if any."""
         if not self.backend.disk_enabled or not self.guard.allows(conv.namespace):
             return None
+        await self.work.saves_done(conv.keys)
         found = await self.store.candidates_async(conv.keys, conv.namespace)
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
         i = pick_stored(self.rule(), len(conv.keys), views)

@@ -24,21 +24,38 @@ def _whole(slot: Slot, depth: int) -> bool:
     return slot.holding is not None and depth >= len(slot.holding.chain)
 
 
+def _pushes_out(slot: Slot, depth: int, n_keys: int) -> bool:
+    """Taking the slot would replace another conversation's unsaved state (saved first) for
+    a request whose own history past the part they share (an opening) is not there: it
+    comes from disk or is prefilled wherever the request goes."""
+    held = slot.holding
+    return (
+        held is not None and not slot.saved and depth < len(held.chain) - 1 and n_keys - depth >= 2
+    )
+
+
 def choose(
     idle: Sequence[Slot], keys: list[str], namespace: str, serves: Serves | None = None
 ) -> tuple[Slot, int]:
     """An idle slot for a conversation, and how deep it already holds it.
 
-    The slot holding the longest prefix the server will reuse wins (`serves`: how deep a
-    slot serves the request, by the model class; the shared keys when not given); among
-    equals, one the request goes on from whole, then one whose content is on disk (no save
-    first). Else the least recently used slot, preferring empty ones, then ones on disk.
+    A returning conversation whose slot now holds another session (of the same opening)
+    does not push that session out while a slot costs no save: it restores its own state
+    there. Otherwise the slot holding the longest prefix the server will reuse wins
+    (`serves`: how deep a slot serves the request, by the model class; the shared keys when
+    not given); among equals, one the request goes on from whole, then one on disk. With no
+    prefix served anywhere, the least recently used slot, empty ones first, then ones on disk.
     """
     depth_of = serves or (lambda s: s.shared_depth(keys, namespace))
     depths = [depth_of(s) for s in idle]
     best = max(
         range(len(idle)),
-        key=lambda i: (depths[i], _whole(idle[i], depths[i]), idle[i].saved),
+        key=lambda i: (
+            not _pushes_out(idle[i], depths[i], len(keys)),
+            depths[i],
+            _whole(idle[i], depths[i]),
+            idle[i].saved,
+        ),
     )
     if depths[best] > 0:
         return idle[best], depths[best]
