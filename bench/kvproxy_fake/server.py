@@ -235,6 +235,7 @@ class FakeLlamaServer:
         self.ignore_eos = ignore_eos
         # Tests: the server is still loading its model (it answers 503 but to /models).
         self.loading = False
+        self.frozen = False  # every request waits, unanswered, until this is False again
         # llama-server's --sleep-idle-seconds: idle that long, it unloads the model and its KV
         # (`is_sleeping` in /props); a request but those in NO_WAKE_PATHS reloads it, empty.
         self.sleep_idle_seconds = sleep_idle_seconds
@@ -403,6 +404,8 @@ class FakeLlamaServer:
             except ValueError:
                 body = raw.decode(errors="replace")
         self.requests.append((request.method, request.path_qs, body))
+        while self.frozen:  # as a SIGSTOPped server: connections accepted, nothing answered
+            await asyncio.sleep(0.05)
         if request.method == "OPTIONS":
             origin = {"Access-Control-Allow-Origin": request.headers.get("Origin", "")}
             return web.Response(
