@@ -19,6 +19,7 @@ from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
 from kvproxy.edge.heldbodies import HeldBodies
+from kvproxy.edge.inflight import InFlight
 from kvproxy.edge.routes import RouteTable, Treatment, normal_path, predict_routes
 from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
@@ -72,6 +73,7 @@ class Service:
         self.metrics.watch(self.cache)
         self.recent = Recent()  # what the status page shows of the last requests
         self.held_bodies = HeldBodies(settings.max_body_memory)
+        self.in_flight = InFlight()  # named when a managed server dies
         # time.monotonic() by which saving at shutdown must end (kvproxy serve sets it at
         # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
         self.stop_by: float | None = None
@@ -84,7 +86,11 @@ class Service:
 
     def stats(self) -> dict[str, Any]:
         """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
-        return {**self.cache.state(), **self.metrics.snapshot()}
+        return {
+            **self.cache.state(),
+            **self.metrics.snapshot(),
+            "server_deaths": self.in_flight.snapshot(),
+        }
 
     def status(self) -> dict[str, Any]:
         """`/kvproxy/status.json`, what the status page polls: the stats, the last requests,
@@ -251,7 +257,11 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         late = await read_body(request, service.settings.client_timeout)
         if late is not None:
             return late
-        return await _serve(request, service, path, decision.treatment)
+        ticket = service.in_flight.start(request.method, path, await request.read())
+        try:
+            return await _serve(request, service, path, decision.treatment)
+        finally:
+            service.in_flight.end(ticket)
     finally:
         service.held_bodies.give_back(held)
 

@@ -80,6 +80,9 @@ class Fleet:
         self.cache_dir = cache_dir
         self.backoff = backoff or Backoff()
         self.restarts = 0  # starts after a death, over the fleet's life
+        # Told the name of a server that came up and died (kvproxy serve names the requests
+        # that were in flight then).
+        self.on_death: Callable[[str], object] | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -118,6 +121,8 @@ class Fleet:
             began = time.monotonic()
             await server.wait()
             delay: float | None = streak.died(time.monotonic() - began)
+            if self.on_death is not None:
+                self.on_death(f"on port {server.port}")
             log.error(
                 "%s\nstarting it again in %.0f s (what it had not saved is lost)",
                 server.death_message(),
