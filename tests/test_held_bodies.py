@@ -36,7 +36,7 @@ async def test_bodies_past_the_byte_budget_get_503_and_held_ones_are_served(make
         async with asyncio.timeout(BOUND):  # before: forwarded, and waits with the others
             status, text, headers = await tokenize(s, proxy.url)
         assert status == 503, text
-        assert "--max-body-memory" in text and '"unavailable_error"' in text
+        assert "--max-body-memory" in text and '"body_memory_full"' in text
         assert headers["Retry-After"] == "1"
         fake.frozen = False
         async with asyncio.timeout(BOUND):

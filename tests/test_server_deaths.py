@@ -75,3 +75,44 @@ async def test_the_fleet_tells_of_each_death_of_a_server_that_was_up(tmp_path: P
     finally:
         supervisor.cancel()
         await fleet.stop()
+
+
+async def test_while_the_managed_server_is_down_clients_get_503_with_retry_after(
+    make: Maker,
+) -> None:
+    _, proxy = await make()
+    service = proxy.app[SERVICE]
+    service.servers_down_for = lambda: 2.5
+    async with aiohttp.ClientSession() as s:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            async with s.post(proxy.url + path, json={"content": "hi", "messages": []}) as r:
+                assert r.status == 503
+                assert r.headers["Retry-After"] == "3"
+                error = (await r.json())["error"]
+                assert error["code"] == "server_restarting" and "started again" in error["message"]
+        service.servers_down_for = lambda: None
+        async with s.post(proxy.url + "/tokenize", json={"content": "hi"}) as r:
+            assert r.status == 200
+
+
+async def test_the_fleet_says_how_long_until_a_dead_server_starts_again(tmp_path: Path) -> None:
+    servers, _ = standins(tmp_path, SERVES, 1)
+    fleet = Fleet(servers, tmp_path, Backoff(first=3, most=3, give_up=2))
+    await fleet.start(timeout=30)
+    supervisor = asyncio.create_task(fleet.supervise())
+    try:
+        assert fleet.down_for() is None
+        process = servers[0].process
+        assert process is not None
+        os.kill(process.pid, signal.SIGKILL)
+        async with asyncio.timeout(BOUND):
+            while (down := fleet.down_for()) is None:
+                await asyncio.sleep(0.02)
+        assert 0 <= down <= 3
+        async with asyncio.timeout(BOUND):
+            while fleet.restarts < 1:
+                await asyncio.sleep(0.05)
+        assert fleet.down_for() is None
+    finally:
+        supervisor.cancel()
+        await fleet.stop()

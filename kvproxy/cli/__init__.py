@@ -207,6 +207,7 @@ async def serve(settings: Settings) -> int:
     if fleet is not None:
         # A server that dies is started again (fleet.py); one that cannot be ends kvproxy.
         fleet.on_death = app[SERVICE].in_flight.server_died
+        app[SERVICE].servers_down_for = fleet.down_for
         supervisor = asyncio.create_task(fleet.supervise())
         waiters.append(supervisor)
     done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -74,6 +75,8 @@ class Service:
         self.recent = Recent()  # what the status page shows of the last requests
         self.held_bodies = HeldBodies(settings.max_body_memory)
         self.in_flight = InFlight()  # named when a managed server dies
+        # Managed mode: None while a server runs, else the seconds until one starts again.
+        self.servers_down_for: Callable[[], float | None] = lambda: None
         # time.monotonic() by which saving at shutdown must end (kvproxy serve sets it at
         # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
         self.stop_by: float | None = None
@@ -271,7 +274,7 @@ def _bodies_full(settings: Settings) -> web.Response:
         503,
         "kvproxy holds as many request bytes as it may "
         f"(--max-body-memory {settings.max_body_memory.human_readable()}); try again.",
-        "unavailable_error",
+        "body_memory_full",
     )
     response.headers["Retry-After"] = "1"
     return response
@@ -281,6 +284,17 @@ async def _serve(
     request: web.Request, service: Service, path: str, treatment: Treatment | None
 ) -> web.StreamResponse:
     """A request whose body (if any) was read whole."""
+    down_for = service.servers_down_for()
+    if down_for is not None:
+        # Between a managed server's death and its next start nothing listens: a client
+        # told when to come back beats a 502 it may treat as final.
+        response = error_response(
+            503,
+            "llama-server died and is being started again; try again in a few seconds.",
+            "server_restarting",
+        )
+        response.headers["Retry-After"] = str(max(1, math.ceil(down_for)))
+        return response
     if path in HEALTH_PATHS and not service.cache.looked:
         # The server answers 503 until it is ready; kvproxy is ready once it has looked for
         # the server: a client that waits for 200 then sends requests kvproxy can pin.

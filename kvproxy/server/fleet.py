@@ -1,6 +1,6 @@
 """The llama-servers managed mode runs (`--servers N`, one by default): one model, a port
 each, one cache dir. A server that dies is started again on its port after a back-off, while
-kvproxy keeps serving with the others (or answers 502 meanwhile, with one); what it had not
+kvproxy keeps serving with the others (or answers 503 with Retry-After meanwhile, with one: down_for); what it had not
 saved is lost, as with any crash. A server that keeps dying at start is given up on.
 
 A server that came up healthy and then died is not a failed start: a client's request may
@@ -83,6 +83,15 @@ class Fleet:
         # Told the name of a server that came up and died (kvproxy serve names the requests
         # that were in flight then).
         self.on_death: Callable[[str], object] | None = None
+        # Port -> time.monotonic() of the next start of a server that died (until it is up).
+        self._next_start: dict[int, float] = {}
+
+    def down_for(self) -> float | None:
+        """While every server is dead and waiting to start again: the seconds until the
+        next start (a client's Retry-After); None while one runs."""
+        if len(self._next_start) < len(self.servers):
+            return None
+        return max(0.0, min(self._next_start.values()) - time.monotonic())
 
     @property
     def urls(self) -> list[str]:
@@ -129,6 +138,7 @@ class Fleet:
                 delay,
             )
             while delay is not None:
+                self._next_start[server.port] = time.monotonic() + delay
                 await asyncio.sleep(delay)
                 try:
                     await server.start(server.start_timeout)
@@ -143,6 +153,7 @@ class Fleet:
                         )
                     continue
                 streak.started()
+                self._next_start.pop(server.port, None)
                 self.restarts += 1
                 await self._record()
                 break
