@@ -1,7 +1,8 @@
 """The llama-servers managed mode runs (`--servers N`, one by default): one model, a port
 each, one cache dir. A server that dies is started again on its port after a back-off, while
 kvproxy keeps serving with the others (or, with one, answers 503 with Retry-After meanwhile:
-down_for); what it had not saved is lost, as with any crash. A server that keeps dying at start is given up on.
+down_for); what it had not saved is lost, as with any crash. A server that keeps dying at
+start is given up on.
 
 A server that came up healthy and then died is not a failed start: a client's request may
 have crashed it (a grammar nested deep enough segfaults llama-server), and ending kvproxy
