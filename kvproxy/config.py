@@ -136,6 +136,12 @@ class Settings(BaseSettings):
     max_queue: int = Field(64, ge=0, description="requests that may wait for a slot")
     queue_timeout: Duration = Field(300.0, description="longest wait for a slot before 503")
     max_body: ByteSize = Field(ByteSize(32 * 1024**2), description="largest request body (413)")
+    max_body_memory: ByteSize = Field(
+        ByteSize(512 * 1024**2),
+        description="request bodies held at once, queued or being served (a chunked one counts "
+        "as --max-body); a body beyond it is answered 503 with Retry-After before it is read "
+        "(0 = no bound)",
+    )
     client_timeout: Duration = Field(
         60.0,
         gt=0,

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from kvproxy.server import leftover
-from kvproxy.server.fleet import Backoff, Fleet
+from kvproxy.server.fleet import HEALTHY_RUN_S, Backoff, Fleet, Streak
 from kvproxy.server.managed import ManagedServer, free_port
 from kvproxy.server.startup import Quirks
 from kvproxy.store import dirfiles
@@ -95,3 +95,41 @@ async def test_a_server_that_cannot_start_again_is_given_up_on(tmp_path: Path) -
         assert "not starting it again" in str(reason) and "SIGILL" in str(reason)
     finally:
         await fleet.stop()
+
+
+async def test_a_server_that_served_and_dies_again_and_again_is_always_started_again(
+    tmp_path: Path,
+) -> None:
+    """A server that came up healthy and died (a client's request crashing it) is no failed
+    start: killed more times in a row than `give_up`, it is started again every time and
+    kvproxy keeps supervising."""
+    servers, _ = standins(tmp_path, SERVES, 1)
+    fleet = Fleet(servers, tmp_path, Backoff(first=0.05, most=0.1, give_up=2))
+    await fleet.start(timeout=30)
+    supervisor = asyncio.create_task(fleet.supervise())
+    try:
+        for n in range(1, 5):
+            process = servers[0].process
+            assert process is not None
+            os.kill(process.pid, signal.SIGKILL)
+            async with asyncio.timeout(60):
+                while fleet.restarts < n and not supervisor.done():
+                    await asyncio.sleep(0.05)
+            assert not supervisor.done(), supervisor.result()
+            assert await answers(fleet.urls[0]) == REPLY
+    finally:
+        supervisor.cancel()
+        await fleet.stop()
+
+
+def test_only_failed_starts_count_toward_giving_up() -> None:
+    streak = Streak(Backoff(first=1, most=30, give_up=3))
+    assert [streak.died(1.0) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]  # never gives up
+    assert streak.died(HEALTHY_RUN_S) == 1  # a minute up: back to the first delay
+    assert streak.start_failed() == 2
+    assert streak.start_failed() == 4
+    assert streak.start_failed() is None
+    streak = Streak(Backoff(first=1, most=30, give_up=3))
+    streak.start_failed()
+    streak.started()
+    assert streak.failed_starts == 0

@@ -184,3 +184,34 @@ async def test_a_server_that_dies_before_answering_is_replaced_by_another(
     assert status == 200, body
     assert chats_on(fakes[1]) == 1
     assert body["choices"][0]["message"]["content"]
+
+
+async def test_a_hung_server_leaves_rotation_and_rejoins_when_it_answers(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    """A server that accepts connections and answers nothing (SIGSTOPped) is taken out of
+    rotation by its timed-out check, long before a lone server's 30 s one would: new
+    conversations and /health go to the other; once it answers again, it rejoins."""
+    fakes, proxy = pair
+    hung, other = fakes
+    lane = next(lane for lane in proxy.cache.lanes if lane.backend.upstream.base_url == hung.url)
+    hung.frozen = True
+    try:
+        async with asyncio.timeout(15):  # fails with the old 30 s check
+            while lane.in_rotation:
+                await asyncio.sleep(0.1)
+        for n in range(4):  # its slots look idle: before, new conversations went there
+            status, body, _ = await chat(proxy, conv(10 + n))
+            assert status == 200, body
+        assert chats_on(other) == 4
+        async with aiohttp.ClientSession() as s:
+            for _ in range(4):
+                async with s.get(proxy.url + "/health") as r:
+                    assert r.status == 200
+        backends = {b["name"]: b for b in proxy.stats()["backends"]}
+        assert "no answer within" in str(backends[hung.url.split("//")[1]]["down"])
+    finally:
+        hung.frozen = False
+    async with asyncio.timeout(30):
+        while not lane.in_rotation:
+            await asyncio.sleep(0.1)

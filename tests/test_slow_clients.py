@@ -11,6 +11,8 @@ import contextlib
 
 import aiohttp
 
+from kvproxy.edge.listen import Admission, admit
+
 from .conftest import Maker, RunningProxy
 
 # What each test waits at most for kvproxy to act: a bound so a broken build fails rather than
@@ -111,3 +113,36 @@ async def test_connections_over_the_cap_are_answered_503(make: Maker) -> None:
                 break
             except (AssertionError, aiohttp.ClientError):
                 await asyncio.sleep(0.1)
+
+
+async def test_one_client_holding_slow_connections_leaves_room_for_another(make: Maker) -> None:
+    """One client (127.0.0.1) re-opening slow connections gets its share of --max-connections,
+    then 503s; another client (127.0.0.2) is still served."""
+    _, proxy = await make(max_connections=8, client_timeout=30.0)
+    held = [await connect(proxy) for _ in range(8)]
+    await asyncio.sleep(0.2)
+    refused = 0
+    for reader, _ in held:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                answer = await reader.read()
+                assert answer.startswith(b"HTTP/1.1 503"), answer
+                assert b"its share" in answer
+                refused += 1
+    assert refused == 4  # half for a client alone
+    connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+    async with aiohttp.ClientSession(connector=connector) as s:
+        for _ in range(5):
+            async with s.post(proxy.url + "/tokenize", json={"content": "hi"}) as resp:
+                assert resp.status == 200, await resp.text()
+    for _, w in held:
+        w.close()
+
+
+def test_a_clients_share_shrinks_as_clients_come() -> None:
+    assert admit(3, 3, 1, 8) is Admission.ADMIT
+    assert admit(4, 4, 1, 8) is Admission.OVER_SHARE
+    assert admit(0, 4, 2, 8) is Admission.ADMIT
+    assert admit(2, 6, 3, 8) is Admission.OVER_SHARE  # 8 // 3 = 2
+    assert admit(0, 8, 3, 8) is Admission.FULL
+    assert admit(0, 0, 1, 1) is Admission.ADMIT  # never under one

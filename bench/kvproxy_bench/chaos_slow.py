@@ -83,8 +83,12 @@ class Slowloris:
         interval: float,
         up: asyncio.Event,
         key: str = "chaos-slow",
+        source: str | None = "127.0.0.2",
     ) -> None:
         self.address = address  # where kvproxy listens now
+        # One client of its own (kvproxy shares --max-connections fairly among client
+        # addresses): another loopback address than the well-behaved clients' 127.0.0.1.
+        self.source = source
         self.connections = connections
         self.interval = interval
         self.up = up  # set while kvproxy runs: no reconnection storm while it is down
@@ -117,7 +121,8 @@ class Slowloris:
             await self.up.wait()
             host, port = self.address()
             try:
-                reader, writer = await asyncio.open_connection(host, port)
+                local = (self.source, 0) if self.source else None
+                reader, writer = await asyncio.open_connection(host, port, local_addr=local)
             except OSError:
                 self.stats.refused += 1
                 await asyncio.sleep(0.5)

@@ -235,6 +235,8 @@ class FakeLlamaServer:
         self.ignore_eos = ignore_eos
         # Tests: the server is still loading its model (it answers 503 but to /models).
         self.loading = False
+        self._thawed = asyncio.Event()  # cleared (`frozen`): every request waits, unanswered
+        self._thawed.set()
         # llama-server's --sleep-idle-seconds: idle that long, it unloads the model and its KV
         # (`is_sleeping` in /props); a request but those in NO_WAKE_PATHS reloads it, empty.
         self.sleep_idle_seconds = sleep_idle_seconds
@@ -263,6 +265,17 @@ class FakeLlamaServer:
         if self.slot_save_path is None:
             raise RuntimeError("this fake server has no --slot-save-path")
         return self.slot_save_path
+
+    @property
+    def frozen(self) -> bool:
+        return not self._thawed.is_set()
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        if value:
+            self._thawed.clear()
+        else:
+            self._thawed.set()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -403,6 +416,7 @@ class FakeLlamaServer:
             except ValueError:
                 body = raw.decode(errors="replace")
         self.requests.append((request.method, request.path_qs, body))
+        await self._thawed.wait()  # as a SIGSTOPped server: connections accepted, no answer
         if request.method == "OPTIONS":
             origin = {"Access-Control-Allow-Origin": request.headers.get("Origin", "")}
             return web.Response(

@@ -54,6 +54,11 @@ REDISCOVER_INTERVAL = 1.0
 # With several servers, how often each is checked: one that died leaves rotation within
 # this (a request that finds it unreachable takes it out at once), one that returns rejoins.
 SEVERAL_CHECK_INTERVAL = 2.0
+# With several servers, how long a check waits for GET /props (which a healthy server answers
+# at once, even mid-decode): a server stopped (SIGSTOP) or wedged accepts connections and never
+# answers, and must leave rotation within seconds, not after the 30 s of a lone server's
+# check, while the others serve the new conversations.
+SEVERAL_CHECK_TIMEOUT = 5.0
 
 
 class Backend:
@@ -170,7 +175,7 @@ class Backend:
         # props check, noticing removals) must not run every second while the server is down.
         self._last_props_check = time.monotonic()
         try:
-            props = await self.client.props()
+            props = await self.client.props(SEVERAL_CHECK_TIMEOUT if self.several else 30.0)
         except UpstreamError as exc:
             self.down = exc
             self._lost = self._lost or self.several

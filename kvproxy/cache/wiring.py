@@ -344,8 +344,8 @@ class ConversationCache:
                     await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
                 if due:
                     await self.found.look()  # models unloaded, asleep, new; routers come up
-                for lane in due:
-                    await self._look_again(lane)
+                # At once: a hung server's check must not hold back the others'.
+                await asyncio.gather(*(self._look_again(lane) for lane in due))
                 await self.lane.work.evict()
                 await self.write_habits()
                 for lane in self.lanes:

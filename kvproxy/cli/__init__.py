@@ -206,6 +206,8 @@ async def serve(settings: Settings) -> int:
     supervisor: asyncio.Task[Any] | None = None
     if fleet is not None:
         # A server that dies is started again (fleet.py); one that cannot be ends kvproxy.
+        fleet.on_death = app[SERVICE].in_flight.server_died
+        app[SERVICE].servers_down_for = fleet.down_for
         supervisor = asyncio.create_task(fleet.supervise())
         waiters.append(supervisor)
     done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

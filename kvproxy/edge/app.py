@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -18,6 +19,8 @@ from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
+from kvproxy.edge.heldbodies import HeldBodies
+from kvproxy.edge.inflight import InFlight
 from kvproxy.edge.routes import RouteTable, Treatment, normal_path, predict_routes
 from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
@@ -70,6 +73,10 @@ class Service:
         self.cache = ConversationCache(settings, self.upstreams, self.events)
         self.metrics.watch(self.cache)
         self.recent = Recent()  # what the status page shows of the last requests
+        self.held_bodies = HeldBodies(settings.max_body_memory)
+        self.in_flight = InFlight()  # named when a managed server dies
+        # Managed mode: None while a server runs, else the seconds until one starts again.
+        self.servers_down_for: Callable[[], float | None] = lambda: None
         # time.monotonic() by which saving at shutdown must end (kvproxy serve sets it at
         # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
         self.stop_by: float | None = None
@@ -82,7 +89,11 @@ class Service:
 
     def stats(self) -> dict[str, Any]:
         """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
-        return {**self.cache.state(), **self.metrics.snapshot()}
+        return {
+            **self.cache.state(),
+            **self.metrics.snapshot(),
+            "server_deaths": self.in_flight.snapshot(),
+        }
 
     def status(self) -> dict[str, Any]:
         """`/kvproxy/status.json`, what the status page polls: the stats, the last requests,
@@ -239,11 +250,51 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         )
     if request.content_length is not None and request.content_length > service.settings.max_body:
         return _too_large(service.settings)
-    if request.body_exists:
+    if not request.body_exists:
+        return await _serve(request, service, path, decision.treatment)
+    size = request.content_length
+    held = size if size is not None else service.settings.max_body
+    if not service.held_bodies.take(held):
+        return _bodies_full(service.settings)
+    try:
         late = await read_body(request, service.settings.client_timeout)
         if late is not None:
             return late
+        ticket = service.in_flight.start(request.method, path, await request.read())
+        try:
+            return await _serve(request, service, path, decision.treatment)
+        finally:
+            service.in_flight.end(ticket)
+    finally:
+        service.held_bodies.give_back(held)
 
+
+def _bodies_full(settings: Settings) -> web.Response:
+    response = error_response(
+        503,
+        "kvproxy holds as many request bytes as it may "
+        f"(--max-body-memory {settings.max_body_memory.human_readable()}); try again.",
+        "body_memory_full",
+    )
+    response.headers["Retry-After"] = "1"
+    return response
+
+
+async def _serve(
+    request: web.Request, service: Service, path: str, treatment: Treatment | None
+) -> web.StreamResponse:
+    """A request whose body (if any) was read whole."""
+    down_for = service.servers_down_for()
+    if down_for is not None:
+        # Between a managed server's death and its next start nothing listens: a client
+        # told when to come back beats a 502 it may treat as final.
+        response = error_response(
+            503,
+            "llama-server died and is being started again; try again in a few seconds.",
+            "server_restarting",
+        )
+        response.headers["Retry-After"] = str(max(1, math.ceil(down_for)))
+        return response
     if path in HEALTH_PATHS and not service.cache.looked:
         # The server answers 503 until it is ready; kvproxy is ready once it has looked for
         # the server: a client that waits for 200 then sends requests kvproxy can pin.
@@ -265,7 +316,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
                 if path in PINNABLE_PATHS:
                     return await lane.unkeyed.handle_pinned(request, _path_qs(path, request))
                 return await lane.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
-    if path in MANAGEMENT_PATHS and decision.treatment is Treatment.EVERY_SLOT:
+    if path in MANAGEMENT_PATHS and treatment is Treatment.EVERY_SLOT:
         # Allowed (--allow-model-management): a model the router unloads takes its slots'
         # state with it, so every slot is held and what would be lost is saved first.
         body = await request.read()

@@ -8,11 +8,17 @@ must arrive within `--client-timeout` of the connection opening or of the previo
 (aiohttp's keep-alive timer, which also closes idle connections then); its body has as long
 again (edge/app.py reads it whole before anything is forwarded, so a slow body never holds
 one of llama-server's few HTTP threads).
+
+One pool for all would let a single client that re-opens slow connections hold every one of
+them while everybody else gets 503s; so a client (its address: the only name a connection has
+before its request is read) holds at most a fair share, `--max-connections` divided among the
+clients holding connections (itself counted, at least two, so one alone leaves half free).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from typing import Any
 
@@ -37,17 +43,30 @@ def runner_options(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _busy_answer() -> bytes:
-    body = orjson.dumps(
-        {
-            "error": {
-                "code": 503,
-                "message": "kvproxy holds as many client connections as it may "
-                "(--max-connections); try again.",
-                "type": "unavailable_error",
-            }
-        }
-    )
+class Admission(enum.Enum):
+    ADMIT = "admit"
+    FULL = "full"  # --max-connections held in all
+    OVER_SHARE = "over_share"  # this client holds its fair share of them
+
+
+def fair_share(limit: int, clients: int) -> int:
+    """Connections one client may hold when `clients` (the one connecting included) hold
+    some: never under one, never more than half while it is alone (room for a newcomer)."""
+    return max(1, limit // max(2, clients))
+
+
+def admit(held_by_client: int, held: int, clients: int, limit: int) -> Admission:
+    """Whether a new connection of a client holding `held_by_client` is served, with `held`
+    connections held in all by `clients` clients (the one connecting included)."""
+    if held >= limit:
+        return Admission.FULL
+    if held_by_client >= fair_share(limit, clients):
+        return Admission.OVER_SHARE
+    return Admission.ADMIT
+
+
+def _busy_answer(message: str) -> bytes:
+    body = orjson.dumps({"error": {"code": 503, "message": message, "type": "unavailable_error"}})
     head = (
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
@@ -55,15 +74,47 @@ def _busy_answer() -> bytes:
     return head.encode() + body
 
 
-BUSY_ANSWER = _busy_answer()
+BUSY_ANSWER = _busy_answer(
+    "kvproxy holds as many client connections as it may (--max-connections); try again."
+)
+SHARE_ANSWER = _busy_answer(
+    "This client holds its share of kvproxy's client connections (--max-connections divided "
+    "among the clients connected); close one or try again."
+)
 
 
-class _Refusal(asyncio.Protocol):
-    """A connection over the cap: one 503, then closed, its request never read."""
+def _client(transport: asyncio.BaseTransport | None) -> str | None:
+    """A connection's client: its peer address without the port (None for a Unix socket)."""
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None
+
+
+class _Gate(asyncio.Protocol):
+    """Decides on a new connection once its peer is known (a protocol factory is called
+    before that): a refused one gets one 503 and is closed, its request never read; an
+    admitted one is handed to the app's server, which then receives everything."""
+
+    def __init__(self, site: CappedSite) -> None:
+        self.site = site
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        transport.write(BUSY_ANSWER)
+        server = self.site._runner.server
+        assert server is not None
+        client = _client(transport)
+        clients: dict[str | None, int] = {}
+        for handler in server.connections:
+            peer = _client(handler.transport)
+            clients[peer] = clients.get(peer, 0) + 1
+        mine = clients.get(client, 0)
+        decision = admit(mine, len(server.connections), len(clients | {client: 0}), self.site.limit)
+        if decision is Admission.ADMIT:
+            handler = server()
+            transport.set_protocol(handler)
+            handler.connection_made(transport)
+            return
+        self.site.refused(decision, client)
+        transport.write(BUSY_ANSWER if decision is Admission.FULL else SHARE_ANSWER)
         transport.close()
 
 
@@ -73,20 +124,28 @@ class CappedSite(web.TCPSite):
     def __init__(self, runner: web.BaseRunner, host: str, port: int, limit: int) -> None:
         super().__init__(runner, host, port)
         self.limit = limit
-        self.refused = 0
+        self.refusals = 0
+        self._warned: set[str | None] = set()  # clients named once in the log as over share
 
-    def _protocol(self) -> asyncio.Protocol:
-        server = self._runner.server
-        assert server is not None
-        if len(server.connections) >= self.limit:
-            if self.refused == 0:
+    def refused(self, decision: Admission, client: str | None) -> None:
+        if decision is Admission.FULL and self.refusals == 0:
+            log.warning(
+                "%d client connections held: more are answered 503 (--max-connections)",
+                self.limit,
+            )
+        elif decision is Admission.OVER_SHARE and client not in self._warned:
+            if len(self._warned) < 1024:  # a bounded memory of whom the log named
+                self._warned.add(client)
                 log.warning(
-                    "%d client connections held: more are answered 503 (--max-connections)",
+                    "client %s holds its share of --max-connections (%d): its further "
+                    "connections are answered 503",
+                    client,
                     self.limit,
                 )
-            self.refused += 1
-            return _Refusal()
-        return server()
+        self.refusals += 1
+
+    def _protocol(self) -> asyncio.Protocol:
+        return _Gate(self)
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site (TCPSite.start would listen too)

@@ -123,8 +123,8 @@ class LlamaClient:
         """The server's (a router's own: it answers whatever its models do)."""
         await self.upstream.get_json("/health", timeout=timeout)
 
-    async def props(self) -> dict[str, Any]:
-        res = await self._get("/props")
+    async def props(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        res = await self._get("/props", timeout)
         if not isinstance(res, dict):
             raise UpstreamError(f"GET /props answered {_short(res)}")
         return res

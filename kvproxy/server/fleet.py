@@ -1,7 +1,14 @@
 """The llama-servers managed mode runs (`--servers N`, one by default): one model, a port
 each, one cache dir. A server that dies is started again on its port after a back-off, while
-kvproxy keeps serving with the others (or answers 502 meanwhile, with one); what it had not
-saved is lost, as with any crash. A server that keeps dying at start is given up on.
+kvproxy keeps serving with the others (or, with one, answers 503 with Retry-After meanwhile:
+down_for); what it had not saved is lost, as with any crash. A server that keeps dying at
+start is given up on.
+
+A server that came up healthy and then died is not a failed start: a client's request may
+have crashed it (a grammar nested deep enough segfaults llama-server), and ending kvproxy
+then would let one client stop the service. It is started again, with the same back-off
+between deaths in quick succession (capped), as long as it comes up; only starts that never
+reach a healthy server count toward giving up.
 """
 
 from __future__ import annotations
@@ -36,6 +43,33 @@ class Backoff:
         return float(min(self.most, self.first * 2 ** max(0, failures - 1)))
 
 
+@dataclass
+class Streak:
+    """One server's recent history, on plain data: deaths of a server that had come up
+    (each within HEALTHY_RUN_S of its start) set the back-off; only starts that failed, in a
+    row, count toward giving up."""
+
+    backoff: Backoff
+    deaths: int = 0  # in a row, each soon after the start before it
+    failed_starts: int = 0  # in a row
+
+    def died(self, ran_s: float) -> float:
+        """A server that was up died after `ran_s`: the delay before starting it again."""
+        self.deaths = 1 if ran_s >= HEALTHY_RUN_S else self.deaths + 1
+        return self.backoff.delay(self.deaths)
+
+    def start_failed(self) -> float | None:
+        """A start did not reach a healthy server: the delay before the next, None to give
+        up."""
+        self.failed_starts += 1
+        if self.failed_starts >= self.backoff.give_up:
+            return None
+        return self.backoff.delay(self.deaths + self.failed_starts)
+
+    def started(self) -> None:
+        self.failed_starts = 0
+
+
 class Fleet:
     def __init__(
         self,
@@ -47,6 +81,18 @@ class Fleet:
         self.cache_dir = cache_dir
         self.backoff = backoff or Backoff()
         self.restarts = 0  # starts after a death, over the fleet's life
+        # Told the name of a server that came up and died (kvproxy serve names the requests
+        # that were in flight then).
+        self.on_death: Callable[[str], object] | None = None
+        # Port -> time.monotonic() of the next start of a server that died (until it is up).
+        self._next_start: dict[int, float] = {}
+
+    def down_for(self) -> float | None:
+        """While every server is dead and waiting to start again: the seconds until the
+        next start (a client's Retry-After); None while one runs."""
+        if len(self._next_start) < len(self.servers):
+            return None
+        return max(0.0, min(self._next_start.values()) - time.monotonic())
 
     @property
     def urls(self) -> list[str]:
@@ -80,32 +126,38 @@ class Fleet:
                     await task
 
     async def _watch(self, server: ManagedServer) -> ServerError:
-        failures = 0
+        streak = Streak(self.backoff)
         while True:
             began = time.monotonic()
             await server.wait()
-            if time.monotonic() - began >= HEALTHY_RUN_S:
-                failures = 0
-            failures += 1
-            if failures > self.backoff.give_up:
-                return ServerError(
-                    f"llama-server on port {server.port} died {failures - 1} times in a row; "
-                    f"not starting it again. {server.death_message()}"
-                )
-            delay = self.backoff.delay(failures)
+            delay: float | None = streak.died(time.monotonic() - began)
+            if self.on_death is not None:
+                self.on_death(f"on port {server.port}")
             log.error(
                 "%s\nstarting it again in %.0f s (what it had not saved is lost)",
                 server.death_message(),
                 delay,
             )
-            await asyncio.sleep(delay)
-            try:
-                await server.start(server.start_timeout)
-            except ServerError as exc:
-                log.error("llama-server on port %d did not start: %s", server.port, exc)
-                continue
-            self.restarts += 1
-            await self._record()
+            while delay is not None:
+                self._next_start[server.port] = time.monotonic() + delay
+                await asyncio.sleep(delay)
+                try:
+                    await server.start(server.start_timeout)
+                except ServerError as exc:
+                    delay = streak.start_failed()
+                    log.error("llama-server on port %d did not start: %s", server.port, exc)
+                    if delay is None:
+                        return ServerError(
+                            f"llama-server on port {server.port} failed to start "
+                            f"{streak.failed_starts} times in a row; not starting it again. "
+                            f"{server.death_message()}"
+                        )
+                    continue
+                streak.started()
+                self._next_start.pop(server.port, None)
+                self.restarts += 1
+                await self._record()
+                break
 
     async def _record(self) -> None:
         running = [
