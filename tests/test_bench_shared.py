@@ -133,7 +133,7 @@ async def test_shared_sessions_run_through_both_arms_and_a_restart(tmp_path: Pat
         after = [r for r in mine if r.phase == "after restart"]
         assert len(after) == 3 and all(r.what.endswith("turn 4") for r in after)
     direct = [r for r in result.requests if r.arm == DIRECT_RAM_CACHE]
-    assert [r.cached for r in direct if r.phase == "after restart"][0] == 0  # RAM lost
+    assert next(r.cached for r in direct if r.phase == "after restart") == 0  # RAM lost
     proxied = [r for r in result.requests if r.arm == KVPROXY]
     # The promise: no more prefill than the server alone, ≥ 99% of ideal after the
     # evictions (5 sessions, 2 slots) and the restart.

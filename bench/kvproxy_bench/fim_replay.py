@@ -37,6 +37,7 @@ class FimOptions:
     edits: int = 12
     n_predict: int = 8  # the extension's default is 128; a CPU run keeps replies short
     returning: int = 3
+    n_cmpl: int = 1  # the extension's default 3 exceeds 2 slots: the server answers 400
     slots: int = 2
     ctx_per_slot: int = 4096
     seed: int = 35
@@ -57,7 +58,7 @@ class FimResult:
 
 
 def session(opts: FimOptions) -> list[FimRequest]:
-    return editing_session(opts.seed, opts.edits, FimConfig(n_predict=opts.n_predict))
+    return editing_session(opts.seed, opts.edits, FimConfig(n_predict=opts.n_predict, max_parallel_completions=opts.n_cmpl))
 
 
 @dataclass
