@@ -58,7 +58,11 @@ class FimResult:
 
 
 def session(opts: FimOptions) -> list[FimRequest]:
-    return editing_session(opts.seed, opts.edits, FimConfig(n_predict=opts.n_predict, max_parallel_completions=opts.n_cmpl))
+    return editing_session(
+        opts.seed,
+        opts.edits,
+        FimConfig(n_predict=opts.n_predict, max_parallel_completions=opts.n_cmpl),
+    )
 
 
 @dataclass
