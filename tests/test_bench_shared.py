@@ -118,13 +118,13 @@ async def test_shared_sessions_run_through_both_arms_and_a_restart(tmp_path: Pat
         for k, make in enumerate((FakeDirect, FakeProxied)):
             where = tmp_path / str(k)
             where.mkdir()
-            async with make(where) as arm:
-                await shared._sessions(shared._Run(client, arm, opts, result))
+            async with make(where) as running:
+                await shared._sessions(shared._Run(client, running, opts, result))
     finally:
         await client.close()
     text = shared.markdown(result)
-    for arm in (DIRECT_RAM_CACHE, KVPROXY):
-        mine = [r for r in result.requests if r.arm == arm]
+    for name in (DIRECT_RAM_CACHE, KVPROXY):
+        mine = [r for r in result.requests if r.arm == name]
         # 3 × 3 main turns, 2 windows of a 1-turn and a 2-turn sub-agent, 3 after the restart
         assert len(mine) == 9 + 2 * 3 + 3
         assert all(r.status == 200 for r in mine), [r.error for r in mine]
