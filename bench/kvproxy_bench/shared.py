@@ -9,7 +9,9 @@ and every main session sends one more turn.
 Arms: llama-server alone with its RAM prompt cache (its default `--cache-ram`), and kvproxy
 (managed mode, `--cache-ram 0`). Ideal prefill of a request: its tokens minus those that do
 not depend on its last user message (`workload._reusable`), when any request came before it
-(the system prompt is shared): only the new content.
+(the system prompt is shared): only the new content. Prefilled counts the tokens kvproxy
+had the server evaluate for a request before forwarding it (`X-KVProxy-Evaluated-Tokens`),
+not the canonical-prefix step of its saves.
 """
 
 from __future__ import annotations
@@ -73,14 +75,17 @@ class _Run:
         self.seen = True
         reply = await self.client.chat(self.arm.url, messages, self.opts.max_tokens)
         prompt = reply.cache_n + reply.prompt_n
+        # What kvproxy had the server evaluate before forwarding (an opening to save): the
+        # reply's cache_n counts it, but it was prefilled for this request.
+        evaluated = min(reply.cache_n, int(reply.headers.get("X-KVProxy-Evaluated-Tokens", 0)))
         self.result.requests.append(
             Request(
                 self.arm.name,
                 phase,
                 f"{name} turn {turn}",
                 reply.status,
-                reply.cache_n,
-                reply.prompt_n,
+                reply.cache_n - evaluated,
+                reply.prompt_n + evaluated,
                 max(0, prompt - reusable),
                 reply.cache_state,
                 reply.error,
