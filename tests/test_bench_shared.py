@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from kvproxy_bench import shared
+from kvproxy_bench import fim_replay, shared
 from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm
 from kvproxy_bench.client import Client
 from kvproxy_bench.fim import FIM_TEMPLATE, FimConfig, editing_session
@@ -141,3 +141,27 @@ async def test_shared_sessions_run_through_both_arms_and_a_restart(tmp_path: Pat
     back = [r for r in proxied if r.phase == "after restart"]
     assert sum(r.cached for r in back) >= 0.99 * sum(r.reusable for r in back)
     assert "after restart" in text and "prefilled vs server alone" in text
+
+
+async def test_fim_replays_through_both_arms_and_a_restart(tmp_path: Path) -> None:
+    """The fake has no /infill (404, recorded as such); the OpenAI SDK pass and the restart
+    run in full, the returning completions judged against an ideal of nothing new."""
+    opts = fim_replay.FimOptions(edits=3, n_predict=4, returning=2)
+    result = fim_replay.FimResult(options=asdict(opts))
+    client = Client()
+    try:
+        for k, make in enumerate((FakeDirect, FakeProxied)):
+            where = tmp_path / str(k)
+            where.mkdir()
+            async with make(where) as running:
+                await fim_replay._replay(client, running, opts, result)
+    finally:
+        await client.close()
+    for name in (DIRECT_RAM_CACHE, KVPROXY):
+        mine = [r for r in result.requests if r.arm == name]
+        assert {r.status for r in mine if r.phase == "infill"} == {404}
+        sdk = [r for r in mine if r.phase == "openai"]
+        assert len(sdk) == 9 and all(r.status == 200 and r.prompt > 0 for r in sdk)
+        back = [r for r in mine if r.phase == "after restart"]
+        assert len(back) == 2 and all(r.ideal == 0 for r in back)
+    assert "after restart" in fim_replay.markdown(result)

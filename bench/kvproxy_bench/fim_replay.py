@@ -127,10 +127,20 @@ async def run_fim(env: BenchEnv, opts: FimOptions) -> FimResult:
 
 
 def _record(
-    result: FimResult, arm: Arm, phase: str, req: FimRequest, status: int, timings: Any, **kw: Any
+    result: FimResult,
+    arm: Arm,
+    phase: str,
+    req: FimRequest,
+    status: int,
+    timings: Any,
+    evaluated: int = 0,
+    **kw: Any,
 ) -> None:
     t = timings if isinstance(timings, dict) else {}
     cached, prefilled = int(t.get("cache_n", 0)), int(t.get("prompt_n", 0))
+    # Evaluated by kvproxy before forwarding (X-KVProxy-Evaluated-Tokens): prefilled for it.
+    moved = min(cached, evaluated)
+    cached, prefilled = cached - moved, prefilled + moved
     row = Request(arm.name, phase, f"{req.kind} {req.note}", status, cached, prefilled, **kw)
     result.requests.append(row)
     progress(
@@ -146,6 +156,7 @@ async def _replay(client: Client, arm: Arm, opts: FimOptions, result: FimResult)
         async with client.session.post(arm.url + "/infill", json=req.body) as resp:
             body = await resp.json(content_type=None)
             state = resp.headers.get("X-KVProxy-Cache", "-")
+            evaluated = int(resp.headers.get("X-KVProxy-Evaluated-Tokens", 0))
         if resp.status == 501:
             result.notes.append(f"{arm.name}: /infill answered 501: {str(body)[:160]}")
             break
@@ -158,6 +169,7 @@ async def _replay(client: Client, arm: Arm, opts: FimOptions, result: FimResult)
             req,
             resp.status,
             body.get("timings"),
+            evaluated,
             ideal=ideal(now, seen),
             cache_state=state,
             error=error,
@@ -188,11 +200,12 @@ async def _openai(
     assert req.openai is not None
     now = await tokens.of(req.openai["prompt"], True)
     sdk = AsyncOpenAI(base_url=arm.url + "/v1", api_key="kvproxy-bench", max_retries=0)
-    status, timings, state, error = 200, None, "-", None
+    status, timings, state, error, evaluated = 200, None, "-", None, 0
     try:
         async with sdk:
             raw = await sdk.completions.with_raw_response.create(**req.openai)
             state = raw.headers.get("X-KVProxy-Cache", "-")
+            evaluated = int(raw.headers.get("X-KVProxy-Evaluated-Tokens", 0))
             timings = (raw.parse().model_extra or {}).get("timings")
     except APIStatusError as exc:
         status, error = exc.status_code, str(exc)[:160]
@@ -203,6 +216,7 @@ async def _openai(
         req,
         status,
         timings,
+        evaluated,
         ideal=ideal(now, seen),
         cache_state=state,
         error=error,
