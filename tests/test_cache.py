@@ -453,8 +453,9 @@ async def test_requests_the_cache_cannot_key_are_pinned_bypass(make: Maker) -> N
     assert [b for b in chats if "id_slot" not in b] == [{"messages": conv(2), "n": 2}]
     async with (
         aiohttp.ClientSession() as s,
-        s.post(proxy.url + "/completion", json={"prompt": "hello", "n_predict": 4}) as r,
+        s.post(proxy.url + "/completion", json={"prompt": ["a", "b"], "n_predict": 4}) as r,
     ):
+        # Several prompts: not keyed (tests/test_prompts.py has the keyed ones), still pinned.
         assert r.status == 200 and r.headers["X-KVProxy-Cache"] == "bypass"
     assert fake.requests[-1][2]["id_slot"] in (0, 1)
 

@@ -27,9 +27,10 @@ from kvproxy.cache.leases import Lease
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.prepared import Prepared
+from kvproxy.cache.refusals import busy_response
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, QueueFull, Slot
-from kvproxy.cache.unkeyed import Unkeyed, busy_response
+from kvproxy.cache.unkeyed import Unkeyed
 from kvproxy.http import bodies as jsonbody
 from kvproxy.http.errors import error_response, unreachable_response
 from kvproxy.http.relay import relay

@@ -38,8 +38,8 @@ class Lane:
             settings.effective_idle_save_after,
             settings.background_save_wait,
         )
-        self.unkeyed = Unkeyed(ctx, self.work)
         self.openings = Openings(ctx, self.work)
+        self.unkeyed = Unkeyed(ctx, self.work, self.openings.rule)
         preparer = Preparer(ctx, self.work, self.openings, HabitLearning(ctx))
         self.conversations = Conversations(ctx, self.work, preparer, self.unkeyed, self.warmer)
 

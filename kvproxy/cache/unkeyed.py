@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -18,21 +19,25 @@ from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.policy import Decision, ReuseRule
+from kvproxy.cache.prompts import Prompts
+from kvproxy.cache.refusals import busy_response, unreachable_response
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import QueueFull, Slot
 from kvproxy.http import bodies as jsonbody
-from kvproxy.http.errors import error_response
 from kvproxy.http.relay import RelayResult, relay
 from kvproxy.http.session import UpstreamError
-from kvproxy.wire import several_slots
+from kvproxy.wire import Conversation, several_slots
+from kvproxy.wire.prompts import read_prompt
 
 log = logging.getLogger("kvproxy.cache")
 
 
 class Unkeyed:
-    def __init__(self, ctx: CacheContext, work: SlotWork) -> None:
+    def __init__(self, ctx: CacheContext, work: SlotWork, rule: Callable[[], ReuseRule]) -> None:
         self.backend = ctx.backend
+        self.settings = ctx.settings
+        self.prompts = Prompts(ctx, work, rule)
         self.pool = ctx.backend.pool
         self.work = work
         self.events = ctx.events
@@ -51,6 +56,14 @@ class Unkeyed:
         if several_slots(payload):
             # The server would run the other completions on slots of its choosing.
             return await self.hold_all(request, path_qs, body)
+        conv = read_prompt(
+            request.path,
+            payload,
+            self.backend.model_identity,
+            keys.tenant_of(request.headers, self.settings.tenant_header),
+        )
+        if isinstance(conv, Conversation):
+            return await self.prompts.serve(request, path_qs, conv)
         return await self.forward_pinned(request, path_qs, payload)
 
     async def forward_pinned(
@@ -164,16 +177,3 @@ class Unkeyed:
             )
         )
         return result
-
-
-def unreachable_response() -> web.Response:
-    return error_response(502, "llama-server is unreachable", "upstream_unreachable")
-
-
-def busy_response(exc: QueueFull) -> web.Response:
-    return error_response(
-        503,
-        f"All llama-server slots are busy: {exc}. Retry shortly.",
-        "slots_busy",
-        headers={"Retry-After": str(exc.retry_after)},
-    )

@@ -1,0 +1,161 @@
+"""Text-completion and code-infill requests, cached like chats (keys: wire/prompts.py).
+
+Each request goes to the slot holding the longest common prefix of its prompt, as the
+server's own choice would (and so never to a slot the server would not pick), pinned there;
+what that slot held is saved first unless the request goes on from it; a prompt whose
+start is on disk and in no slot comes back from disk. Tenants apart, labels as for chats.
+
+One thing differs from a conversation: an editor's completions (FIM) move back and forth
+within one file, each request parting from the last a few blocks before its end. What is
+lost there is the last few blocks of a state the next request rebuilds anyway, not another
+session's work: it is not saved first (`worth_saving`), as a chat regenerating its last
+reply is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import orjson
+from aiohttp import web
+
+from kvproxy.cache.context import CacheContext
+from kvproxy.cache.events import RequestEvent
+from kvproxy.cache.leases import Lease
+from kvproxy.cache.policy import (
+    Decision,
+    ReuseRule,
+    StoredView,
+    pick_stored,
+    resident_serves,
+)
+from kvproxy.cache.refusals import busy_response, unreachable_response
+from kvproxy.cache.slotio import SlotWork
+from kvproxy.cache.slots import Holding, QueueFull, Slot
+from kvproxy.http.relay import relay
+from kvproxy.http.session import UpstreamError
+from kvproxy.store.entry import Entry
+from kvproxy.wire import Conversation
+
+log = logging.getLogger("kvproxy.cache")
+
+# A request keeping all but this share of the blocks a slot holds goes on from it.
+NEAR_END = 0.1
+
+
+def goes_on_from(held_depth: int, shared: int) -> bool:
+    """Does a prompt sharing `shared` of the `held_depth` blocks a slot holds go on from
+    that state (the same text, edited near its end), rather than replace it?"""
+    return shared > 0 and held_depth - shared <= max(1, int(held_depth * NEAR_END))
+
+
+class Prompts:
+    def __init__(self, ctx: CacheContext, work: SlotWork, rule: Callable[[], ReuseRule]) -> None:
+        self.backend = ctx.backend
+        self.pool = ctx.backend.pool
+        self.store = ctx.store
+        self.guard = ctx.guard
+        self.events = ctx.events
+        self.background = ctx.background
+        self.work = work
+        self.rule = rule
+
+    def serves(self, slot: Slot, conv: Conversation) -> int:
+        """Blocks of the prompt the slot holds that the server will reuse."""
+        shared = slot.shared_depth(conv.keys, conv.namespace)
+        held = slot.holding
+        if held is None or not resident_serves(
+            self.rule(), shared, held.restored_depth, held.n_tokens
+        ):
+            return 0
+        return shared
+
+    async def serve(
+        self, request: web.Request, path_qs: str, conv: Conversation
+    ) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            slot, _ = await self.pool.acquire(
+                conv.keys, conv.namespace, serves=lambda s: self.serves(s, conv)
+            )
+        except QueueFull as exc:
+            return busy_response(exc)
+        lease = Lease(self.pool, [slot], self.background)
+        try:
+            try:
+                decision, restored = await lease.guarded(self._prepare(slot, conv))
+            except UpstreamError as exc:
+                log.warning("could not prepare slot %d for a prompt: %s", slot.id, exc)
+                slot.forget()
+                return unreachable_response()
+            body = orjson.dumps({**conv.payload, "id_slot": slot.id})
+            try:
+                result = await relay(
+                    request,
+                    self.backend.upstream,
+                    path_qs,
+                    body,
+                    body_replaced=True,
+                    extra_headers={"X-KVProxy-Cache": decision.value},
+                )
+            except BaseException:
+                slot.forget()
+                raise
+            if result.status == 200 and result.complete:
+                slot.hold(Holding(conv.namespace, list(conv.keys), 0, len(conv.keys)), saved=False)
+                lease.hand_off(self._snapshot(slot))
+            else:
+                slot.forget()
+            self.events.request(
+                RequestEvent(
+                    request.path,
+                    decision,
+                    result.status,
+                    key=conv.keys[-1],
+                    slot=slot.id,
+                    backend=self.backend.label,
+                    duration_s=time.perf_counter() - started,
+                    restored_tokens=restored,
+                )
+            )
+            return result.response
+        finally:
+            lease.release()
+
+    async def _snapshot(self, slot: Slot) -> None:
+        try:
+            await self.work.snapshot(slot)
+        except UpstreamError:
+            slot.forget()
+
+    async def _prepare(self, slot: Slot, conv: Conversation) -> tuple[Decision, int]:
+        """Save what would be lost, admit the tenant, restore what disk serves better: the
+        decision label, and the tokens restored."""
+        await self.work.verify(slot)
+        resident = self.serves(slot, conv)
+        held = slot.holding
+        if held is not None and not goes_on_from(len(held.chain), resident):
+            if self.work.worth_saving(slot):
+                await self.work.save(slot)
+        stored = await self._stored(conv, resident)
+        await self.work.admit(slot, conv.tenant)
+        if slot.holding is None:
+            resident = 0  # erased for another tenant
+        if stored is not None:
+            outcome = await self.work.restore(slot, stored)
+            if outcome is not None:
+                return Decision.RESTORED, outcome.n_restored
+        return (Decision.RESIDENT if resident > 0 else Decision.MISS), 0
+
+    async def _stored(self, conv: Conversation, resident: int) -> Entry | None:
+        """The stored state the server will reuse more of than the slot serves, if any."""
+        if not self.backend.disk_enabled or not self.guard.allows(conv.namespace):
+            return None
+        found = await self.store.candidates_async(conv.keys, conv.namespace)
+        views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
+        i = pick_stored(self.rule(), len(conv.keys), views)
+        if i is None or found[i][1] <= resident:
+            return None
+        return found[i][0]

@@ -1,0 +1,110 @@
+"""Text-completion routes (`/completion`, `/v1/completions`) cached like chats, against the
+fake server: each prompt goes to the slot holding its longest common prefix (as the server
+alone would choose), comes back from disk after an eviction and a restart, stays apart
+from other tenants, and is labelled truthfully."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from .conftest import Maker, start_proxy
+from .test_cache import settle
+
+ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+
+
+def prompt(name: str) -> str:
+    return f"Document {name}.\n" + f"{name} says something long. " * 60
+
+
+async def complete(
+    url: str, text: str, route: str = "/completion", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any], str]:
+    field = "n_predict" if route == "/completion" else "max_tokens"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + route, json={"prompt": text, field: 4}, headers=headers) as r,
+    ):
+        return r.status, await r.json(), r.headers.get("X-KVProxy-Cache", "")
+
+
+def cache_n(body: dict[str, Any]) -> int:
+    return int(body["timings"]["cache_n"])
+
+
+async def test_the_same_prompt_twice_reuses_it_all_as_the_server_alone_does(make: Maker) -> None:
+    fake, proxy = await make()
+    text = prompt("A")
+    _, first, label1 = await complete(proxy.url, text)
+    await settle(proxy)
+    _, again, label2 = await complete(proxy.url, text)
+    assert (label1, label2) == ("miss", "resident")
+    # Every prompt token but the last one the server must evaluate again.
+    assert cache_n(again) >= first["timings"]["prompt_n"] - 1
+    slots = [b["id_slot"] for _, p, b in fake.requests if p == "/completion"]
+    assert slots[0] == slots[1]
+
+
+async def test_two_prompts_alternating_each_keep_their_slot(make: Maker) -> None:
+    fake, proxy = await make()
+    a, b = prompt("A"), prompt("B")
+    for text in (a, b):
+        await complete(proxy.url, text)
+        await settle(proxy)
+    for _ in range(2):
+        for text in (a, b):
+            status, body, label = await complete(proxy.url, text + " and more")
+            await settle(proxy)
+            assert status == 200 and label == "resident"
+            assert body["timings"]["prompt_n"] <= 20, body["timings"]
+
+
+async def test_openai_completions_share_the_prompt_cache(make: Maker) -> None:
+    fake, proxy = await make()
+    text = prompt("A")
+    await complete(proxy.url, text, "/v1/completions")
+    await settle(proxy)
+    status, body, label = await complete(proxy.url, text + " more", "/v1/completions")
+    assert status == 200 and label == "resident"
+    assert body["usage"]["prompt_tokens"] - cache_n(body) <= 20
+
+
+async def test_an_evicted_prompt_comes_back_from_disk_and_after_a_restart(
+    make: Maker,
+) -> None:
+    fake, proxy = await make()
+    texts = [prompt(n) for n in "ABC"]
+    for text in texts:  # three prompts on two slots: A's slot is given to C, A saved first
+        await complete(proxy.url, text)
+        await settle(proxy)
+    status, body, label = await complete(proxy.url, texts[0] + " again")
+    assert status == 200 and label == "restored"
+    assert body["timings"]["prompt_n"] <= 20, body["timings"]
+    await settle(proxy)
+    # kvproxy restarts; the server's slots are wiped (it restarted too).
+    await proxy.stop()
+    for slot in fake.slots:
+        slot.tokens = []
+    proxy = await start_proxy(fake.url, fake.save_dir)
+    try:
+        status, body, label = await complete(proxy.url, texts[1] + " again")
+        assert status == 200 and label == "restored", label
+        assert body["timings"]["prompt_n"] <= 20, body["timings"]
+    finally:
+        await proxy.stop()
+
+
+async def test_another_tenants_identical_prompt_reuses_nothing(make: Maker) -> None:
+    fake, proxy = await make(client_api_keys="alice,bob")
+    text = prompt("secret")
+    await complete(proxy.url, text, headers=ALICE)
+    await settle(proxy)
+    status, body, label = await complete(proxy.url, text, headers=BOB)
+    assert status == 200 and label == "miss"
+    assert cache_n(body) == 0
+    await settle(proxy)
+    status, body, label = await complete(proxy.url, text, headers=ALICE)
+    assert label in ("resident", "restored")
+    assert cache_n(body) > 0
