@@ -83,6 +83,8 @@ def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> N
         "chaos",
         "store",
         "canonical",
+        "shared",
+        "fim",
         "all",
     ):
         assert scenario in text
@@ -98,6 +100,8 @@ def test_bench_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> N
         ("all", ["--max-ctx"]),
         ("chaos", ["--seed", "--requests", "--faults", "--duration", "--clients", "--tenants"]),
         ("canonical", ["--sizes", "--repeats"]),
+        ("shared", ["--sessions", "--turns", "--subagents", "--slots", "--prompt-tokens"]),
+        ("fim", ["--edits", "--n-predict", "--returning", "--slots", "--seed"]),
     ],
 )
 def test_bench_scenario_help_lists_its_flags(

@@ -1,6 +1,6 @@
 """`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical,
-servers, swaps, fleet and stalls (not in `all`). The flags are defined in kvproxy/cli/bench.py
-(parsing them imports nothing from here); `run` gets them.
+servers, swaps, fleet, stalls, shared and fim (not in `all`). The flags are defined in
+kvproxy/cli/bench.py (parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -177,6 +177,26 @@ async def _run(args: argparse.Namespace) -> int:
                 sopts.direct = not args.no_direct
                 res = await servers.run_servers(env, sopts)
                 text = servers.markdown(res)
+            elif name == "shared":
+                from kvproxy_bench import shared
+
+                shopts = shared.SharedOptions(
+                    **_given(
+                        args,
+                        *("sessions", "turns", "subagents", "slots", "prompt_tokens"),
+                        "max_tokens",
+                    )
+                )
+                res = await shared.run_shared(env, shopts)
+                text = shared.markdown(res)
+            elif name == "fim":
+                from kvproxy_bench import fim_replay
+
+                fiopts = fim_replay.FimOptions(
+                    **_given(args, "edits", "n_predict", "returning", "slots", "seed")
+                )
+                res = await fim_replay.run_fim(env, fiopts)
+                text = fim_replay.markdown(res)
             elif name == "swaps":
                 from kvproxy_bench import swaps
 

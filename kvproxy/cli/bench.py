@@ -138,6 +138,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--turns", type=int, help="turns per conversation")
     p.add_argument("--prompt-tokens", type=int, help="system prompt")
 
+    p = scenarios.add_parser(
+        "shared", help="agent sessions of one system prompt with sub-agent windows, a restart"
+    )
+    _common(p)
+    p.add_argument("--sessions", type=int, help="main sessions at once (default 3)")
+    p.add_argument("--turns", type=int, help="turns per main session (default 6)")
+    p.add_argument("--subagents", type=int, help="sub-agent sessions per window (default 2)")
+    p.add_argument("--slots", type=int, help="S (default 2)")
+    p.add_argument("--prompt-tokens", type=int, help="the shared system prompt (default 1500)")
+    p.add_argument("--max-tokens", type=int, help="reply length")
+
+    p = scenarios.add_parser("fim", help="llama.vscode's editing session: /infill, OpenAI SDK")
+    _common(p)
+    p.add_argument("--edits", type=int, help="lines typed (default 12)")
+    p.add_argument("--n-predict", type=int, help="completion length (default 8)")
+    p.add_argument("--returning", type=int, help="completions sent again after the restart")
+    p.add_argument("--slots", type=int, help="S (default 2)")
+    p.add_argument("--seed", type=int, help="the session's choices")
+
     p = scenarios.add_parser("canonical", help="a save's canonical-prefix step, by size")
     _common(p)
     p.add_argument("--sizes", default=None, help="comma-separated sizes (1024,4096,8192)")

@@ -1,0 +1,243 @@
+"""`fim`: llama.vscode's editing session (fim.py) replayed against each arm, two ways:
+
+- `infill`: llama.cpp mode, every body posted to `/infill` as the extension does, its
+  n_predict 0 ring updates included (a model without FIM tokens answers 501: reported);
+- `openai`: the extension's OpenAI mode, the OpenAI SDK's `client.completions.create` on
+  `/v1/completions` (no ring updates in that mode);
+- `after restart`: the arm restarts (the server alone loses its RAM cache), then the last
+  `returning` completions of the OpenAI pass come again.
+
+Ideal prefill of a request: its tokens beyond the longest token prefix it shares with any
+earlier prompt of the pass. For `/v1/completions` the prompt is tokenised by the server
+(`/tokenize`, `add_special`); for `/infill` it is assembled as `format_prompt_infill`
+(tools/server/server-common.cpp) lays it out — extra chunks, BOS, FIM_PRE prefix prompt,
+FIM_SUF suffix, FIM_MID — from the pieces' tokens, without its truncation to n_batch and
+n_ctx (which only cuts prompts longer than this session's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvproxy.keys import shared_prefix
+from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, DirectArm, ProxyArm
+from kvproxy_bench.client import Client
+from kvproxy_bench.fim import FimConfig, FimRequest, editing_session
+from kvproxy_bench.prefill import Request, detail_table, summary_table
+from kvproxy_bench.report import progress
+
+PHASES = ["infill", "openai", "after restart"]
+# Stand-ins for the FIM special tokens: only equality matters to a common prefix.
+FIM_REP, FIM_SEP, FIM_PRE, FIM_SUF, FIM_MID = -1, -2, -3, -4, -5
+
+
+@dataclass
+class FimOptions:
+    edits: int = 12
+    n_predict: int = 8  # the extension's default is 128; a CPU run keeps replies short
+    returning: int = 3
+    n_cmpl: int = 1  # the extension's default 3 exceeds 2 slots: the server answers 400
+    slots: int = 2
+    ctx_per_slot: int = 4096
+    seed: int = 35
+
+
+@dataclass
+class FimResult:
+    options: dict[str, Any]
+    requests: list[Request] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "options": self.options,
+            "requests": [asdict(r) for r in self.requests],
+            "notes": self.notes,
+        }
+
+
+def session(opts: FimOptions) -> list[FimRequest]:
+    return editing_session(
+        opts.seed,
+        opts.edits,
+        FimConfig(n_predict=opts.n_predict, max_parallel_completions=opts.n_cmpl),
+    )
+
+
+@dataclass
+class Tokens:
+    """The server's tokens of text pieces, each tokenised once."""
+
+    client: Client
+    base: str
+    known: dict[tuple[str, bool], list[int]] = field(default_factory=dict)
+
+    async def of(self, text: str, special: bool = False) -> list[int]:
+        if (text, special) not in self.known:
+            got = await self.client.post_json(
+                self.base + "/tokenize", {"content": text, "add_special": special}
+            )
+            self.known[text, special] = [int(t) for t in got["tokens"]]
+        return self.known[text, special]
+
+    async def infill(self, body: dict[str, Any]) -> list[int]:
+        """`format_prompt_infill`'s layout (no truncation, no spm_infill)."""
+        extra: list[int] = []
+        chunks = body.get("input_extra") or []
+        if chunks:
+            extra = [FIM_REP, *await self.of("myproject\n")]
+        for chunk in chunks:
+            extra += [FIM_SEP, *await self.of(chunk.get("filename", "tmp") + "\n")]
+            extra += await self.of(chunk["text"])
+        if chunks:
+            extra += [FIM_SEP, *await self.of("filename\n")]
+        bos = (await self.of("", True))[:1]
+        return [
+            *extra,
+            *bos,
+            FIM_PRE,
+            *await self.of(body["input_prefix"]),
+            *await self.of(body["prompt"]),
+            FIM_SUF,
+            *await self.of(body["input_suffix"]),
+            FIM_MID,
+        ]
+
+
+def ideal(now: list[int], earlier: list[list[int]]) -> int:
+    return len(now) - max((shared_prefix(now, e) for e in earlier), default=0)
+
+
+async def run_fim(env: BenchEnv, opts: FimOptions) -> FimResult:
+    result = FimResult(options=asdict(opts))
+    client = Client()
+    try:
+        arms: list[Arm] = [
+            DirectArm(env, opts.slots, opts.ctx_per_slot, ram_cache=True),
+            ProxyArm(env, opts.slots, opts.ctx_per_slot),
+        ]
+        for arm in arms:
+            progress(f"fim: {arm.name}")
+            async with arm:
+                await _replay(client, arm, opts, result)
+    finally:
+        await client.close()
+    return result
+
+
+def _record(
+    result: FimResult,
+    arm: Arm,
+    phase: str,
+    req: FimRequest,
+    status: int,
+    timings: Any,
+    evaluated: int = 0,
+    **kw: Any,
+) -> None:
+    t = timings if isinstance(timings, dict) else {}
+    cached, prefilled = int(t.get("cache_n", 0)), int(t.get("prompt_n", 0))
+    # Evaluated by kvproxy before forwarding (X-KVProxy-Evaluated-Tokens): prefilled for it.
+    moved = min(cached, evaluated)
+    cached, prefilled = cached - moved, prefilled + moved
+    row = Request(arm.name, phase, f"{req.kind} {req.note}", status, cached, prefilled, **kw)
+    result.requests.append(row)
+    progress(
+        f"  {arm.name} {phase} {row.what}: {cached} cached, {prefilled} prefilled {row.cache_state}"
+    )
+
+
+async def _replay(client: Client, arm: Arm, opts: FimOptions, result: FimResult) -> None:
+    requests = session(opts)
+    tokens = Tokens(client, arm.url)
+    seen: list[list[int]] = []
+    for req in requests:
+        async with client.session.post(arm.url + "/infill", json=req.body) as resp:
+            body = await resp.json(content_type=None)
+            state = resp.headers.get("X-KVProxy-Cache", "-")
+            evaluated = int(resp.headers.get("X-KVProxy-Evaluated-Tokens", 0))
+        if resp.status == 501:
+            result.notes.append(f"{arm.name}: /infill answered 501: {str(body)[:160]}")
+            break
+        now = await tokens.infill(req.body)
+        error = None if resp.status == 200 else str(body)[:160]
+        _record(
+            result,
+            arm,
+            "infill",
+            req,
+            resp.status,
+            body.get("timings"),
+            evaluated,
+            ideal=ideal(now, seen),
+            cache_state=state,
+            error=error,
+        )
+        seen.append(now)
+    completions = [r for r in requests if r.openai is not None]
+    seen = []
+    for req in completions:
+        seen.append(await _openai(client, tokens, arm, req, "openai", seen, result))
+    await arm.restart()
+    tokens.base = arm.url
+    for req in completions[-opts.returning :]:
+        await _openai(client, tokens, arm, req, "after restart", seen, result)
+
+
+async def _openai(
+    client: Client,
+    tokens: Tokens,
+    arm: Arm,
+    req: FimRequest,
+    phase: str,
+    seen: list[list[int]],
+    result: FimResult,
+) -> list[int]:
+    """One `client.completions.create` with the OpenAI SDK, as handleOpenAICompletion sends it."""
+    from openai import APIStatusError, AsyncOpenAI
+
+    assert req.openai is not None
+    now = await tokens.of(req.openai["prompt"], True)
+    sdk = AsyncOpenAI(base_url=arm.url + "/v1", api_key="kvproxy-bench", max_retries=0)
+    status, timings, state, error, evaluated = 200, None, "-", None, 0
+    try:
+        async with sdk:
+            raw = await sdk.completions.with_raw_response.create(**req.openai)
+            state = raw.headers.get("X-KVProxy-Cache", "-")
+            evaluated = int(raw.headers.get("X-KVProxy-Evaluated-Tokens", 0))
+            timings = (raw.parse().model_extra or {}).get("timings")
+    except APIStatusError as exc:
+        status, error = exc.status_code, str(exc)[:160]
+    _record(
+        result,
+        arm,
+        phase,
+        req,
+        status,
+        timings,
+        evaluated,
+        ideal=ideal(now, seen),
+        cache_state=state,
+        error=error,
+    )
+    return now
+
+
+def markdown(result: FimResult) -> str:
+    opts = FimOptions(**result.options)
+    n = session(opts)
+    head = (
+        f"llama.vscode's editing session (fim.py, seed {opts.seed}): {opts.edits} lines typed, "
+        f"{sum(r.kind == 'infill' for r in n)} completions, "
+        f"{sum(r.kind == 'ring' for r in n)} ring updates (n_predict 0), replayed to "
+        f"`/infill`, then the completions with the OpenAI SDK on `/v1/completions`, then "
+        f"after a restart the last {opts.returning} again; {opts.slots} slots."
+    )
+    notes = "".join(f"\n- {n}" for n in result.notes)
+    arms = [DIRECT_RAM_CACHE, KVPROXY]
+    return (
+        f"{head}\n{notes}\n\n{summary_table(result.requests, arms, PHASES)}\n\n"
+        f"<details><summary>every request</summary>\n\n{detail_table(result.requests)}\n\n"
+        "</details>"
+    )
