@@ -21,8 +21,7 @@ BOUND = 60.0
 
 async def test_a_stopped_real_server_leaves_rotation_and_rejoins(cache_dir: Path) -> None:
     servers = [
-        await asyncio.to_thread(start_real_server, cache_dir, ctx_per_slot=1024)
-        for _ in range(2)
+        await asyncio.to_thread(start_real_server, cache_dir, ctx_per_slot=1024) for _ in range(2)
     ]
     proxy = await start_proxy([s.url for s in servers], cache_dir)
     hung = servers[0]
