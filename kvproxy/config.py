@@ -8,7 +8,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AnyHttpUrl, BeforeValidator, ByteSize, Field, SecretStr, field_validator
+from pydantic import (
+    AnyHttpUrl,
+    BeforeValidator,
+    ByteSize,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
@@ -30,6 +38,10 @@ Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvproxy"
+
+
+# Settings that only shape the llama-server managed mode starts.
+MANAGED_ONLY = ("slots", "ctx_size", "servers", "reply_cap")
 
 
 class Settings(BaseSettings):
@@ -88,6 +100,13 @@ class Settings(BaseSettings):
     )
     ctx_size: int = Field(
         8192, ge=256, description="context tokens per slot in managed mode (-c = slots x this)"
+    )
+    reply_cap: int = Field(
+        2048,
+        ge=-1,
+        description="managed mode: llama-server's --n-predict, the reply length in tokens for "
+        "requests that set no max_tokens (a small model may otherwise write to the end of the "
+        "context); -1: none",
     )
     server_args: list[str] = Field(
         default_factory=list, description="extra llama-server flags (put them after `--`)"
@@ -226,7 +245,9 @@ class Settings(BaseSettings):
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list):
             return value
-        return [u.strip() for item in items for u in str(item).split(",") if u.strip()]
+        urls = [u.strip() for item in items for u in str(item).split(",") if u.strip()]
+        # The server's address, not its OpenAI base URL: kvproxy adds /v1 itself.
+        return [re.sub(r"/v1/*$", "", u.rstrip("/")) for u in urls]
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
@@ -266,6 +287,24 @@ class Settings(BaseSettings):
         return all(
             h in ("127.0.0.1", "::1", "localhost") or h.startswith("127.") for h in self.hosts
         )
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> Settings:
+        """Sidecar (--upstream) or managed (--model, --models-dir): flags of the other mode
+        would be ignored, and a user who gave them meant something else."""
+        if self.upstream:
+            managed = [n for n in MANAGED_ONLY if n in self.model_fields_set]
+            if self.model or self.models_dir:
+                raise ValueError(
+                    "give --upstream (a running llama-server) or --model/--models-dir "
+                    "(kvproxy starts one), not both"
+                )
+            if managed:
+                flags = ", ".join("--" + n.replace("_", "-") for n in managed)
+                raise ValueError(
+                    f"{flags}: managed mode only; with --upstream, set them on llama-server"
+                )
+        return self
 
     @property
     def upstream_urls(self) -> list[str]:

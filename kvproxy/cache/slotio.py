@@ -18,6 +18,7 @@ from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, SlotActionEvent
 from kvproxy.cache.policy import worth_saving
+from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slots import NOBODY, Holding, Slot
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.api import Restored
@@ -28,8 +29,6 @@ log = logging.getLogger("kvproxy.cache")
 # How long a slot kvproxy is about to act on may stay busy with work it did not send (a
 # cancelled request winding down) before kvproxy gives up on it.
 BUSY_WAIT_LIMIT = 120.0
-# How long a conversation's turn waits for its own state's save under way on another slot.
-SAVE_WAIT_LIMIT = 30.0
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class SlotWork:
         self.background = ctx.background
         self._disk_error_logged = False
         self.heads = canonical.Heads()  # what the last canonical prefixes tokenised
-        self._saving: dict[str, asyncio.Future[None]] = {}  # saves under way, by key
+        self.under_way = SavesUnderWay()
 
     def worth_saving(self, slot: Slot, incoming: list[str] | None = None) -> bool:
         """Would the slot's content be lost, and is it worth a file? (policy.worth_saving)"""
@@ -123,23 +122,12 @@ class SlotWork:
         steps on the server when its conversation's turn claims the slot, or when `give_way`
         says so (another slot's request came: background_saves.py)."""
         key = slot.holding.key if slot.holding is not None else None
-        if key is None or key in self._saving:
+        with self.under_way.saving(key):
             return await self._save(slot, background, give_way)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._saving[key] = done
-        try:
-            return await self._save(slot, background, give_way)
-        finally:
-            del self._saving[key]
-            done.set_result(None)
 
     async def saves_done(self, keys: list[str]) -> None:
-        """Wait (bounded) for a save under way of the conversation `keys` go on from: another
-        request took its slot, and the conversation's own turn must find it on disk, not an
-        older state (or only its opening)."""
-        pending = [self._saving[k] for k in keys if k in self._saving]
-        if pending:
-            await asyncio.wait([asyncio.shield(f) for f in pending], timeout=SAVE_WAIT_LIMIT)
+        """Wait (bounded) for a save under way of the conversation `keys` go on from."""
+        await self.under_way.done(keys)
 
     async def _save(
         self,

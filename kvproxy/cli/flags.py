@@ -22,6 +22,15 @@ def _is_bool(annotation: Any) -> bool:
     return False
 
 
+def _default_shown(default: object) -> str:
+    """`; default X` for a plain default (none for factories, secrets and empty ones)."""
+    if default is None or default == "" or type(default).__name__ == "PydanticUndefinedType":
+        return ""
+    if isinstance(default, bool | int | float | str):
+        return f"; default {default}"
+    return ""
+
+
 def add_settings_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
     """One flag per Settings field, so flags, env vars and docs never drift apart."""
     for name, info in Settings.model_fields.items():
@@ -29,7 +38,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, only: Sequence[str] | No
             continue
         flag = "--" + name.replace("_", "-")
         env = f"KVPROXY_{name.upper()}"
-        help_text = f"{info.description} [env {env}]"
+        shown = _default_shown(info.default)
+        help_text = f"{info.description} [env {env}{shown}]"
         if _is_bool(info.annotation):
             parser.add_argument(
                 flag,
@@ -66,7 +76,10 @@ def load_settings(cli: dict[str, Any]) -> Settings:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            field = str(err["loc"][0]) if err["loc"] else "?"
+            if not err["loc"]:  # settings that do not go together (Settings._one_mode)
+                problems.append(str(err["msg"]).removeprefix("Value error, "))
+                continue
+            field = str(err["loc"][0])
             where = f"--{field.replace('_', '-')} / KVPROXY_{field.upper()}"
             problems.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
         raise SystemExit(f"kvproxy: invalid setting: {'; '.join(problems)}") from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import os
@@ -19,6 +18,7 @@ from kvproxy.cache.events import Events
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
+from kvproxy.edge.guards import HEALTH_PATHS, admin_refusal, client_refusal, host_refusal
 from kvproxy.edge.heldbodies import HeldBodies
 from kvproxy.edge.inflight import InFlight
 from kvproxy.edge.routes import RouteTable, Treatment, normal_path, predict_routes
@@ -26,7 +26,6 @@ from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
-from kvproxy.keys import header_bytes
 from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import RequestLog
@@ -128,73 +127,6 @@ class Service:
 
 
 SERVICE = web.AppKey("service", Service)
-
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-
-
-def host_refusal(request: web.Request, settings: Settings) -> str | None:
-    """Bound to loopback, only loopback names may appear in Host: a browser page on another
-    origin can resolve its own name to 127.0.0.1 (DNS rebinding) but cannot forge Host."""
-    if not settings.loopback:
-        return None
-    host = (request.headers.get("Host") or "").strip().lower()
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    if name in LOOPBACK_NAMES or name in settings.allowed_hosts:
-        return None
-    return (
-        f"Host {host!r} is not a loopback name; refused to guard against DNS rebinding "
-        "(allow it with --allowed-hosts)"
-    )
-
-
-def admin_refusal(request: web.Request, settings: Settings) -> web.Response | None:
-    """kvproxy's own routes (/kvproxy/*, /metrics) need the admin token off loopback."""
-    if settings.loopback:
-        return None
-    token = settings.admin_token.get_secret_value() if settings.admin_token else None
-    given = header_bytes(request.headers.get("Authorization", ""))
-    if token is None or not hmac.compare_digest(given, f"Bearer {token}".encode()):
-        return error_response(
-            401,
-            "kvproxy admin routes need `Authorization: Bearer <--admin-token>`.",
-            "admin_token_required",
-        )
-    return None
-
-
-# What llama-server answers without its API key (server-http.cpp, the API key middleware
-# and the pre-routing handler before it): health checks, its UI's root, and every CORS
-# preflight (`OPTIONS`, which browsers send without credentials).
-HEALTH_PATHS = frozenset({"/health", "/v1/health"})
-KEYLESS_PATHS = HEALTH_PATHS | {"/"}
-
-
-def client_key(headers: Mapping[str, str]) -> bytes:
-    """The key a client sends as llama-server reads it: `Authorization`, else `X-Api-Key`
-    (Anthropic's header), a leading `Bearer ` removed."""
-    raw = headers.get("Authorization") or headers.get("X-Api-Key") or ""
-    return header_bytes(raw).removeprefix(b"Bearer ")
-
-
-def client_refusal(request: web.Request, settings: Settings) -> web.Response | None:
-    """With --client-api-keys, every route the server guards with its key needs one of them:
-    kvproxy sends llama-server its own key, so the server cannot tell clients apart any more."""
-    if not settings.client_api_keys or request.method == "OPTIONS":
-        return None
-    if normal_path(request.path) in KEYLESS_PATHS:
-        return None
-    given = client_key(request.headers)
-    ok = False
-    for key in settings.client_api_keys:
-        # Every key is compared, so the time taken does not tell which one nearly matched.
-        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
-    if ok:
-        return None
-    return error_response(
-        401,
-        "Missing or wrong API key (Authorization: Bearer …, or X-Api-Key).",
-        "invalid_api_key",
-    )
 
 
 async def own_route(request: web.Request, service: Service, path: str) -> web.StreamResponse:

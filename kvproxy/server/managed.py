@@ -100,9 +100,10 @@ def server_command(
     ctx_per_slot: int,
     api_key: str | None,
     extra: list[str],
+    reply_cap: int = -1,
 ) -> list[str]:
     cmd = [str(binary), "--model", str(model)]
-    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
+    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key, reply_cap)
     return cmd + list(extra)
 
 
@@ -116,6 +117,7 @@ def router_command(
     ctx_per_slot: int,
     api_key: str | None,
     extra: list[str],
+    reply_cap: int = -1,
 ) -> list[str]:
     """llama-server as a router over the GGUF models in `models_dir` (no --model). The router
     starts each model's server with its own flags but the listening address and the key, so
@@ -123,12 +125,17 @@ def router_command(
     cmd = [str(binary), "--models-dir", str(models_dir)]
     if models_max is not None:
         cmd += ["--models-max", str(models_max)]
-    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
+    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key, reply_cap)
     return cmd + list(extra)
 
 
 def server_flags(
-    port: int, slot_save_path: Path, slots: int, ctx_per_slot: int, api_key: str | None
+    port: int,
+    slot_save_path: Path,
+    slots: int,
+    ctx_per_slot: int,
+    api_key: str | None,
+    reply_cap: int = -1,
 ) -> list[str]:
     flags = [
         "--host",
@@ -145,6 +152,9 @@ def server_flags(
         "--ctx-size",
         str(slots * ctx_per_slot),
     ]
+    if reply_cap >= 0:
+        # A request's own max_tokens still wins (docs/clients.md); extra flags come after.
+        flags += ["--n-predict", str(reply_cap)]
     if api_key:
         flags += ["--api-key", api_key]
     return flags
