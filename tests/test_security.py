@@ -200,3 +200,25 @@ async def test_cors_preflight_and_the_ui_root_need_no_key(make: Maker) -> None:
         for path in ("/index.html", "/favicon.ico", "/props"):
             async with s.get(proxy.url + path) as r:
                 assert r.status == 401, path
+
+
+async def test_admin_routes_need_the_admin_token_whenever_client_keys_are_set(
+    make: Maker,
+) -> None:
+    """On loopback too: a tenant's key, a wrong key or none reads no other tenant's slots,
+    misses or counters."""
+    _, proxy = await make(client_api_keys="alice,bob", admin_token="root")
+    async with aiohttp.ClientSession() as s:
+        for path in ("/kvproxy/status.json", "/kvproxy/stats", "/kvproxy/", "/metrics"):
+            for headers in ({}, {"Authorization": "Bearer alice"}, {"Authorization": "Bearer x"}):
+                async with s.get(proxy.url + path, headers=headers) as r:
+                    assert r.status == 401, (path, headers)
+                    assert (await r.json())["error"]["code"] == "admin_token_required"
+            async with s.get(proxy.url + path, headers={"Authorization": "Bearer root"}) as r:
+                assert r.status == 200, path
+    _, keyed_only = await make(client_api_keys="alice")
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(keyed_only.url + "/kvproxy/stats", headers={"Authorization": "Bearer alice"}) as r,
+    ):
+        assert r.status == 401 and "--admin-token" in (await r.json())["error"]["message"]

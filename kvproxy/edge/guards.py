@@ -31,15 +31,18 @@ def host_refusal(request: web.Request, settings: Settings) -> str | None:
 
 
 def admin_refusal(request: web.Request, settings: Settings) -> web.Response | None:
-    """kvproxy's own routes (/kvproxy/*, /metrics) need the admin token off loopback."""
-    if settings.loopback:
+    """kvproxy's own routes (/kvproxy/*, /metrics) need the admin token off loopback, and
+    whenever client API keys are set: every tenant reaches loopback alike (and a reverse
+    proxy named with --allowed-hosts), and these routes show every tenant's slots."""
+    if settings.loopback and not settings.client_api_keys:
         return None
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
     given = header_bytes(request.headers.get("Authorization", ""))
     if token is None or not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        unset = " (set --admin-token to read them)" if token is None else ""
         return error_response(
             401,
-            "kvproxy admin routes need `Authorization: Bearer <--admin-token>`.",
+            f"kvproxy admin routes need `Authorization: Bearer <--admin-token>`{unset}.",
             "admin_token_required",
         )
     return None
