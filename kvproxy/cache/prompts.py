@@ -5,6 +5,11 @@ server's own choice would (and so never to a slot the server would not pick), pi
 what that slot held is saved first unless the request goes on from it; a prompt whose
 start is on disk and in no slot comes back from disk. Tenants apart, labels as for chats.
 
+An infill prompt is cut by the server (`format_prompt_infill` keeps the end of the extra
+context and of the prefix that fit the batch), so blocks equal from the start may still
+be tokens that differ: there every state a request does not go on from exactly is saved
+first (`near_end` 0), and its return restores that very state.
+
 One thing differs from a conversation: an editor's completions (FIM) move back and forth
 within one file, each request parting from the last a few blocks before its end. What is
 lost there is the last few blocks of a state the next request rebuilds anyway, not another
@@ -45,10 +50,11 @@ log = logging.getLogger("kvproxy.cache")
 NEAR_END = 0.1
 
 
-def goes_on_from(held_depth: int, shared: int) -> bool:
+def goes_on_from(held_depth: int, shared: int, near_end: float = NEAR_END) -> bool:
     """Does a prompt sharing `shared` of the `held_depth` blocks a slot holds go on from
     that state (the same text, edited near its end), rather than replace it?"""
-    return shared > 0 and held_depth - shared <= max(1, int(held_depth * NEAR_END))
+    lost = max(1, int(held_depth * near_end)) if near_end > 0 else 0
+    return shared > 0 and held_depth - shared <= lost
 
 
 class Prompts:
@@ -84,8 +90,9 @@ class Prompts:
             return busy_response(exc)
         lease = Lease(self.pool, [slot], self.background)
         try:
+            near_end = 0.0 if request.path == "/infill" else NEAR_END
             try:
-                decision, restored = await lease.guarded(self._prepare(slot, conv))
+                decision, restored = await lease.guarded(self._prepare(slot, conv, near_end))
             except UpstreamError as exc:
                 log.warning("could not prepare slot %d for a prompt: %s", slot.id, exc)
                 slot.forget()
@@ -130,13 +137,15 @@ class Prompts:
         except UpstreamError:
             slot.forget()
 
-    async def _prepare(self, slot: Slot, conv: Conversation) -> tuple[Decision, int]:
+    async def _prepare(
+        self, slot: Slot, conv: Conversation, near_end: float
+    ) -> tuple[Decision, int]:
         """Save what would be lost, admit the tenant, restore what disk serves better: the
         decision label, and the tokens restored."""
         await self.work.verify(slot)
         resident = self.serves(slot, conv)
         held = slot.holding
-        if held is not None and not goes_on_from(len(held.chain), resident):
+        if held is not None and not goes_on_from(len(held.chain), resident, near_end):
             if self.work.worth_saving(slot):
                 await self.work.save(slot)
         stored = await self._stored(conv, resident)
