@@ -39,7 +39,7 @@ class Lane:
             settings.background_save_wait,
         )
         self.openings = Openings(ctx, self.work)
-        self.unkeyed = Unkeyed(ctx, self.work, self.openings.rule)
+        self.unkeyed = Unkeyed(ctx, self.work, self.openings)
         preparer = Preparer(ctx, self.work, self.openings, HabitLearning(ctx))
         self.conversations = Conversations(ctx, self.work, preparer, self.unkeyed, self.warmer)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import orjson
 from aiohttp import web
@@ -29,12 +28,11 @@ from aiohttp import web
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
+from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import (
     Decision,
-    ReuseRule,
     StoredView,
     pick_stored,
-    resident_serves,
 )
 from kvproxy.cache.refusals import busy_response, unreachable_response
 from kvproxy.cache.slotio import SlotWork
@@ -58,7 +56,7 @@ def goes_on_from(held_depth: int, shared: int, near_end: float = NEAR_END) -> bo
 
 
 class Prompts:
-    def __init__(self, ctx: CacheContext, work: SlotWork, rule: Callable[[], ReuseRule]) -> None:
+    def __init__(self, ctx: CacheContext, work: SlotWork, openings: Openings) -> None:
         self.backend = ctx.backend
         self.pool = ctx.backend.pool
         self.store = ctx.store
@@ -66,17 +64,7 @@ class Prompts:
         self.events = ctx.events
         self.background = ctx.background
         self.work = work
-        self.rule = rule
-
-    def serves(self, slot: Slot, conv: Conversation) -> int:
-        """Blocks of the prompt the slot holds that the server will reuse."""
-        shared = slot.shared_depth(conv.keys, conv.namespace)
-        held = slot.holding
-        if held is None or not resident_serves(
-            self.rule(), shared, held.restored_depth, held.n_tokens
-        ):
-            return 0
-        return shared
+        self.openings = openings  # what the server reuses of a slot or a stored state
 
     async def serve(
         self, request: web.Request, path_qs: str, conv: Conversation
@@ -84,7 +72,7 @@ class Prompts:
         started = time.perf_counter()
         try:
             slot, _ = await self.pool.acquire(
-                conv.keys, conv.namespace, serves=lambda s: self.serves(s, conv)
+                conv.keys, conv.namespace, serves=lambda s: self.openings.resident_depth(s, conv)
             )
         except QueueFull as exc:
             return busy_response(exc)
@@ -143,7 +131,7 @@ class Prompts:
         """Save what would be lost, admit the tenant, restore what disk serves better: the
         decision label, and the tokens restored."""
         await self.work.verify(slot)
-        resident = self.serves(slot, conv)
+        resident = self.openings.resident_depth(slot, conv)
         held = slot.holding
         if held is not None and not goes_on_from(len(held.chain), resident, near_end):
             if self.work.worth_saving(slot):
@@ -165,7 +153,7 @@ class Prompts:
         await self.work.saves_done(conv.keys)
         found = await self.store.candidates_async(conv.keys, conv.namespace)
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
-        i = pick_stored(self.rule(), len(conv.keys), views)
+        i = pick_stored(self.openings.rule(), len(conv.keys), views)
         if i is None or found[i][1] <= resident:
             return None
         return found[i][0]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -19,7 +18,8 @@ from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
-from kvproxy.cache.policy import Decision, ReuseRule
+from kvproxy.cache.openings import Openings
+from kvproxy.cache.policy import Decision
 from kvproxy.cache.prompts import Prompts
 from kvproxy.cache.refusals import busy_response, unreachable_response
 from kvproxy.cache.slotio import SlotWork
@@ -34,10 +34,10 @@ log = logging.getLogger("kvproxy.cache")
 
 
 class Unkeyed:
-    def __init__(self, ctx: CacheContext, work: SlotWork, rule: Callable[[], ReuseRule]) -> None:
+    def __init__(self, ctx: CacheContext, work: SlotWork, openings: Openings) -> None:
         self.backend = ctx.backend
         self.settings = ctx.settings
-        self.prompts = Prompts(ctx, work, rule)
+        self.prompts = Prompts(ctx, work, openings)
         self.pool = ctx.backend.pool
         self.work = work
         self.events = ctx.events
