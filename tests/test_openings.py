@@ -4,6 +4,7 @@ restore, `reuse="extend"` for recurrent models)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,29 @@ async def test_a_restore_the_request_parts_from_early_is_not_judged_wasted(make:
     assert 0 < reused < restored // 2, (reused, restored)
     await settle(proxy)
     assert proxy.stats()["ineffective_restores"] == 0
+
+
+@pytest.mark.parametrize(
+    ("reuse", "model_class", "n_swa"), [("window", "swa", 1024), ("extend", "recurrent", 0)]
+)
+async def test_sessions_starting_at_once_evaluate_their_opening_once(
+    make: Maker, reuse: str, model_class: ModelClass, n_swa: int
+) -> None:
+    """Three sessions of one agent start at once, on 2 slots, before any slot holds their
+    system prompt: one evaluates it (and saves it as the opening), the others restore it
+    rather than evaluate it again (the server alone evaluates it once per slot)."""
+    fake, proxy = await make(
+        {"reuse": reuse, "window": n_swa // 2 or 512, "n_ctx": 16384, "prompt_delay": 0.0002}
+    )
+    as_class(proxy, model_class, n_swa)
+    replies = await asyncio.gather(*(chat(proxy, session(n)) for n in (1, 2, 3)))
+    evaluated = 0
+    labels = []
+    for status, body, h in replies:
+        assert status == 200
+        # What the server evaluated for the request: its prompt_n, and what kvproxy had it
+        # evaluate before forwarding (counted in cache_n).
+        evaluated += body["timings"]["prompt_n"] + int(h.get("X-KVProxy-Evaluated-Tokens", 0))
+        labels.append(h["X-KVProxy-Cache"])
+    assert evaluated < 2 * system_tokens(), (evaluated, labels)
+    assert labels.count("miss") == 1, labels

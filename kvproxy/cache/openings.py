@@ -50,6 +50,7 @@ from kvproxy.cache.policy import (
     reuse_rule,
     window_serves,
 )
+from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, Slot, SlotPool
 from kvproxy.cache.stems import Stems
@@ -91,6 +92,7 @@ class Openings:
         self.kept = NamespaceLRU()  # which namespaces' openings are remembered (bounds.py)
         self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
         self.stems = Stems(ctx, work)  # the heads of system messages before what changes
+        self.making = SavesUnderWay()  # openings a request is evaluating now, by key
 
     # --- the model class's rule
 

@@ -187,19 +187,51 @@ class Preparer:
                 await self.work.verify(slot)
                 verified = True
             evaluated = await self.openings.stems.make(slot, conv, *stem)
-        evaluated += await self._prefill(slot, conv, 0, verified)
+            depth = await self.openings.prefill_depth(conv)
+        else:
+            depth = await self.openings.prefill_depth(conv)
+            if depth and self.openings.making.busy(conv.keys[depth - 1]):
+                made = await self._made_meanwhile(slot, conv, conv.keys[depth - 1], verified)
+                if made is not None:
+                    return made
+                depth = await self.openings.prefill_depth(conv)
+        # No await between the check above and the claim in _prefill: of the sessions that
+        # start at once, exactly one evaluates the opening.
+        evaluated += await self._prefill(slot, conv, 0, verified, depth)
         return Prepared(Decision.MISS, evaluated=evaluated) if evaluated else MISS
+
+    async def _made_meanwhile(
+        self, slot: Slot, conv: Conversation, opening: str, verified: bool
+    ) -> Prepared | None:
+        """Another request is evaluating the opening this one passes through (sessions of one
+        agent starting at once): once it is saved, restore it here rather than evaluate it
+        again. None: it was not made; the request starts cold as it would have."""
+        await self.openings.making.done([opening])
+        found = await self.openings.find(conv)
+        plan = decide(await self._facts(slot, conv, found))
+        if plan.move is not Move.RESTORE:
+            return None
+        if not verified:
+            await self.work.verify(slot)
+            verified = True
+        await self._vacate(slot, conv, plan)
+        return await self._restore(slot, conv, found, verified)
 
     def parted(self, conv: Conversation, message_index: int, char_offset: int) -> None:
         """A miss parted from the closest known conversation there (explain.py): inside a
         long system message, what follows changes between sessions (a stem ends before it)."""
         self.openings.stems.cuts.learn(conv.namespace, conv.messages, message_index, char_offset)
 
-    async def _prefill(self, slot: Slot, conv: Conversation, start: int, verified: bool) -> int:
-        """Pass through a wanted opening deeper than `start` first: the tokens evaluated."""
-        depth = await self.openings.prefill_depth(conv, start)
+    async def _prefill(
+        self, slot: Slot, conv: Conversation, start: int, verified: bool, depth: int | None = None
+    ) -> int:
+        """Pass through a wanted opening deeper than `start` first (at `depth`, when known):
+        the tokens evaluated."""
+        if depth is None:
+            depth = await self.openings.prefill_depth(conv, start)
         if depth == 0:
             return 0
-        if not verified:
-            await self.work.verify(slot)  # slot actions follow: the slot must be idle
-        return await self.openings.prefill(slot, conv, depth, start)
+        with self.openings.making.saving(conv.keys[depth - 1]):
+            if not verified:
+                await self.work.verify(slot)  # slot actions follow: the slot must be idle
+            return await self.openings.prefill(slot, conv, depth, start)

@@ -3,6 +3,10 @@
 Another request took a conversation's slot and saves the conversation's state first; the
 conversation's own next turn, on another slot, must find that state on disk, not an older
 one (or only its opening): it waits for the save before it looks.
+
+Openings being made are kept the same way, apart (`Openings.making`): sessions of one agent
+that start at once share a system prompt no slot holds yet; the first evaluates and saves
+it, the others wait for that and restore it rather than evaluate it again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class SavesUnderWay:
         finally:
             del self._saving[key]
             done.set_result(None)
+
+    def busy(self, key: str) -> bool:
+        return key in self._saving
 
     async def done(self, keys: list[str]) -> None:
         pending = [self._saving[k] for k in keys if k in self._saving]
