@@ -11,6 +11,7 @@ import aiohttp
 
 from .conftest import Maker, start_proxy
 from .test_cache import settle
+from .test_openings import as_class
 
 ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
 
@@ -108,3 +109,32 @@ async def test_another_tenants_identical_prompt_reuses_nothing(make: Maker) -> N
     status, body, label = await complete(proxy.url, text, headers=ALICE)
     assert label in ("resident", "restored")
     assert cache_n(body) > 0
+
+
+async def test_an_editor_back_at_a_line_restores_the_state_saved_further_along_it(
+    make: Maker,
+) -> None:
+    """FIM in an editor on a sliding-window model: completions at three cursor positions
+    on one line (each prompt the one before plus what was typed), then a restart; the first
+    position comes again. Its own state was never saved (the slot went on from it), but the
+    state saved further along the line parts from it near its end, within the window the
+    server serves after a restore: restored, not prefilled again."""
+    fake, proxy = await make({"reuse": "window", "window": 512, "n_ctx": 16384})
+    as_class(proxy, "swa", 1024)
+    line = prompt("file") + "\nresult = compute("
+    cursors = [line, line + "alpha, beta", line + "alpha, beta, gamma=3"]
+    for text in cursors:
+        status, _, _ = await complete(proxy.url, text, "/v1/completions")
+        assert status == 200
+    await settle(proxy)
+    await proxy.stop()
+    for slot in fake.slots:
+        slot.tokens = []
+    proxy = await start_proxy(fake.url, fake.save_dir)
+    try:
+        as_class(proxy, "swa", 1024)
+        status, body, label = await complete(proxy.url, cursors[0], "/v1/completions")
+        assert status == 200 and label == "restored", label
+        assert body["usage"]["prompt_tokens"] - cache_n(body) <= 20, body["timings"]
+    finally:
+        await proxy.stop()

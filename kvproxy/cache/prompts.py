@@ -32,7 +32,9 @@ from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import (
     Decision,
     StoredView,
+    near_end_candidate,
     pick_stored,
+    window_serves,
 )
 from kvproxy.cache.refusals import busy_response, unreachable_response
 from kvproxy.cache.slotio import SlotWork
@@ -41,6 +43,7 @@ from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
 from kvproxy.store.entry import Entry
 from kvproxy.wire import Conversation
+from kvproxy.wire.prompts import leading_text
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -136,7 +139,7 @@ class Prompts:
         if held is not None and not goes_on_from(len(held.chain), resident, near_end):
             if self.work.worth_saving(slot):
                 await self.work.save(slot)
-        stored = await self._stored(conv, resident)
+        stored = await self._stored(conv, resident, near_end)
         await self.work.admit(slot, conv.tenant)
         if slot.holding is None:
             resident = 0  # erased for another tenant
@@ -146,14 +149,35 @@ class Prompts:
                 return Decision.RESTORED, outcome.n_restored
         return (Decision.RESIDENT if resident > 0 else Decision.MISS), 0
 
-    async def _stored(self, conv: Conversation, resident: int) -> Entry | None:
+    async def _stored(self, conv: Conversation, resident: int, near_end: float) -> Entry | None:
         """The stored state the server will reuse more of than the slot serves, if any."""
         if not self.backend.disk_enabled or not self.guard.allows(conv.namespace):
             return None
         await self.work.saves_done(conv.keys)
         found = await self.store.candidates_async(conv.keys, conv.namespace)
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
-        i = pick_stored(self.openings.rule(), len(conv.keys), views)
+        rule = self.openings.rule()
+        i = pick_stored(rule, len(conv.keys), views)
+        j = near_end_candidate(rule, views, i) if near_end else None
+        if j is not None:
+            # An editor back at a line it completed before: the state saved after a later
+            # completion of that line parts from this prompt a few blocks before its end, and
+            # a restored sliding-window state serves that if the rest fits in the window.
+            before = await self._tokens_before(conv, views[j].shared)
+            if before is not None and window_serves(rule, views[j], before):
+                if i is None or before > views[i].n_tokens:
+                    i = j
         if i is None or found[i][1] <= resident:
             return None
         return found[i][0]
+
+    async def _tokens_before(self, conv: Conversation, depth: int) -> int | None:
+        """How many tokens of the prompt its first `depth` blocks are, as the server counts."""
+        text = leading_text(conv.payload, depth)
+        if not text:
+            return None
+        try:
+            return len(await self.work.client.tokenize(text))
+        except UpstreamError as exc:
+            log.debug("cannot count the tokens of a prompt's first blocks: %s", exc)
+            return None

@@ -54,6 +54,14 @@ def _prompt_text(prompt: Any) -> str | None:
     return None
 
 
+def leading_text(payload: Mapping[str, Any], depth: int) -> str | None:
+    """The text of a completion prompt's first `depth` blocks (None: not a text prompt)."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt[: depth * BLOCK_CHARS] if isinstance(prompt, str) else None
+
+
 def _infill_text(payload: Mapping[str, Any]) -> str | None:
     extra = payload.get("input_extra", [])
     prefix = payload.get("input_prefix", "")
