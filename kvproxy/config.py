@@ -104,9 +104,9 @@ class Settings(BaseSettings):
     reply_cap: int = Field(
         2048,
         ge=-1,
-        description="managed mode: llama-server's --n-predict, the reply length in tokens for "
-        "requests that set no max_tokens (a small model may otherwise write to the end of the "
-        "context); -1: none",
+        description="managed mode: the reply length in tokens kvproxy asks for when a request "
+        "sets none (a small model may otherwise write to the end of the context); a "
+        "request's own max_tokens/n_predict wins; -1: none",
     )
     server_args: list[str] = Field(
         default_factory=list, description="extra llama-server flags (put them after `--`)"
@@ -316,6 +316,12 @@ class Settings(BaseSettings):
         """The first (usually the only) llama-server of sidecar mode."""
         urls = self.upstream_urls
         return urls[0] if urls else None
+
+    @property
+    def request_reply_cap(self) -> int:
+        """The reply cap kvproxy adds to requests that set none: managed mode only (beside
+        a server someone else runs, requests go as they would to it)."""
+        return -1 if self.upstream else self.reply_cap
 
     @property
     def api_key(self) -> str | None:

@@ -136,12 +136,24 @@ def _ffn(t: _Weights, i: int, n_ff: int) -> None:
     t.rand(f"blk.{i}.ffn_down.weight", N_EMBD, n_ff)
 
 
-def write_dense_llama(path: Path, n_layer: int = 2) -> Path:
-    """`llama`: 2 full-attention layers, 4 query heads, 2 KV heads (head dim 16)."""
+# FIM_PRE, FIM_SUF, FIM_MID as three pieces code never uses (`write_dense_llama(fim=True)`).
+FIM_PIECES = {
+    gguf.Keys.Tokenizer.FIM_PRE_ID: "~",
+    gguf.Keys.Tokenizer.FIM_SUF_ID: "^",
+    gguf.Keys.Tokenizer.FIM_MID_ID: "`",
+}
+
+
+def write_dense_llama(path: Path, n_layer: int = 2, fim: bool = False) -> Path:
+    """`llama`: 2 full-attention layers, 4 query heads, 2 KV heads (head dim 16). `fim`:
+    with FIM token ids, so the server's `/infill` accepts it."""
     n_head, n_head_kv, n_ff = 4, 2, 128
     head_dim = N_EMBD // n_head
 
     def fill(w: gguf.GGUFWriter) -> None:
+        if fim:
+            for key, piece in FIM_PIECES.items():
+                w.add_uint32(key, VOCAB_TOKENS.index(piece))
         w.add_block_count(n_layer)
         w.add_feed_forward_length(n_ff)
         w.add_head_count(n_head)
@@ -259,3 +271,14 @@ def model_files(directory: Path) -> dict[str, Path]:
             writer(path)
         out[kind] = path
     return out
+
+
+if __name__ == "__main__":
+    # `python -m tests.ggufmodels fim PATH`: the FIM-capable tiny model, e.g. for
+    # `kvproxy bench fim --model PATH` (Gemma 3 270M has no FIM tokens).
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] not in (*WRITERS, "fim"):
+        raise SystemExit(f"usage: python -m tests.ggufmodels {{{','.join(WRITERS)},fim}} PATH")
+    kind, target = sys.argv[1], Path(sys.argv[2])
+    print(write_dense_llama(target, fim=True) if kind == "fim" else WRITERS[kind](target))

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import gguf
 import openai
 import pytest
 from kvproxy_bench.fim import FimConfig, FimRequest, editing_session
@@ -34,31 +33,15 @@ def fim_session() -> list[FimRequest]:
     return editing_session(seed=35, edits=6, cfg=CFG, file_lines=120)
 
 
-def _fim_model(path: Path) -> Path:
-    """The tiny dense llama with FIM_PRE, FIM_SUF, FIM_MID: three pieces code never uses."""
-    plain = ggufmodels._add_tokenizer
-    ids = {gguf.Keys.Tokenizer.FIM_PRE_ID: "~", gguf.Keys.Tokenizer.FIM_SUF_ID: "^"}
-    ids[gguf.Keys.Tokenizer.FIM_MID_ID] = "`"
-
-    def with_fim(w: gguf.GGUFWriter) -> None:
-        plain(w)
-        for key, piece in ids.items():
-            w.add_uint32(key, ggufmodels.VOCAB_TOKENS.index(piece))
-
-    ggufmodels._add_tokenizer = with_fim
-    try:
-        return ggufmodels.write_dense_llama(path)
-    finally:
-        ggufmodels._add_tokenizer = plain
-
-
 @pytest.fixture(scope="module")
 def fim_server() -> Iterator[RealServer]:
     """-np 2, --cache-ram 0 (as the session's Gemma server), a FIM-capable model."""
     with tempfile.TemporaryDirectory(prefix="kvproxy-fim-") as tmp:
         cache = Path(tmp) / "cache"
         cache.mkdir(mode=0o700)
-        server = start_real_server(cache, _fim_model(Path(tmp) / "tiny-fim.gguf"))
+        server = start_real_server(
+            cache, ggufmodels.write_dense_llama(Path(tmp) / "tiny-fim.gguf", fim=True)
+        )
         try:
             yield server
         finally:

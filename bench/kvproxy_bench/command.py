@@ -193,7 +193,11 @@ async def _run(args: argparse.Namespace) -> int:
                 from kvproxy_bench import fim_replay
 
                 fiopts = fim_replay.FimOptions(
-                    **_given(args, "edits", "n_predict", "returning", "slots", "seed")
+                    **_given(
+                        args,
+                        *("edits", "n_predict", "returning", "slots", "seed"),
+                        *("file_lines", "ctx_per_slot"),
+                    )
                 )
                 res = await fim_replay.run_fim(env, fiopts)
                 text = fim_replay.markdown(res)

@@ -41,6 +41,7 @@ class FimOptions:
     slots: int = 2
     ctx_per_slot: int = 4096
     seed: int = 35
+    file_lines: int = 400
 
 
 @dataclass
@@ -62,6 +63,7 @@ def session(opts: FimOptions) -> list[FimRequest]:
         opts.seed,
         opts.edits,
         FimConfig(n_predict=opts.n_predict, max_parallel_completions=opts.n_cmpl),
+        opts.file_lines,
     )
 
 

@@ -35,7 +35,7 @@ from kvproxy.http import bodies as jsonbody
 from kvproxy.http.errors import error_response, unreachable_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
-from kvproxy.wire import Conversation, NotKeyed, WireAdapter
+from kvproxy.wire import Conversation, NotKeyed, WireAdapter, with_reply_cap
 from kvproxy.wire.capture import Reply
 
 log = logging.getLogger("kvproxy.cache")
@@ -70,6 +70,7 @@ class Conversations:
         warmer: Warmer,
     ) -> None:
         self.settings = ctx.settings
+        self.reply_cap = ctx.settings.request_reply_cap
         self.backend = ctx.backend
         self.pool = ctx.backend.pool
         self.store = ctx.store
@@ -171,7 +172,7 @@ class Conversations:
                     request,
                     self.backend.upstream,
                     adapter.upstream_path(path_qs),
-                    adapter.pinned(conv.payload, slot.id),
+                    adapter.pinned(with_reply_cap(conv.payload, self.reply_cap), slot.id),
                     body_replaced=True,
                     extra_headers=prepared.headers(),
                     tap=capture.feed,

@@ -42,7 +42,7 @@ from kvproxy.cache.slots import Holding, QueueFull, Slot
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
 from kvproxy.store.entry import Entry
-from kvproxy.wire import Conversation
+from kvproxy.wire import Conversation, with_reply_cap
 from kvproxy.wire.prompts import leading_text
 
 log = logging.getLogger("kvproxy.cache")
@@ -64,6 +64,7 @@ class Prompts:
         self.pool = ctx.backend.pool
         self.store = ctx.store
         self.guard = ctx.guard
+        self.settings = ctx.settings
         self.events = ctx.events
         self.background = ctx.background
         self.work = work
@@ -88,7 +89,8 @@ class Prompts:
                 log.warning("could not prepare slot %d for a prompt: %s", slot.id, exc)
                 slot.forget()
                 return unreachable_response()
-            body = orjson.dumps({**conv.payload, "id_slot": slot.id})
+            payload = with_reply_cap(conv.payload, self.settings.request_reply_cap)
+            body = orjson.dumps({**payload, "id_slot": slot.id})
             try:
                 result = await relay(
                     request,

@@ -156,6 +156,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--returning", type=int, help="completions sent again after the restart")
     p.add_argument("--slots", type=int, help="S (default 2)")
     p.add_argument("--seed", type=int, help="the session's choices")
+    p.add_argument("--file-lines", type=int, help="lines of the edited file (default 400)")
+    p.add_argument("--ctx-per-slot", type=int, help="context per slot (default 4096)")
 
     p = scenarios.add_parser("canonical", help="a save's canonical-prefix step, by size")
     _common(p)

@@ -86,7 +86,6 @@ async def managed_command(settings: Settings, binary: Path, port: int) -> Launch
             settings.ctx_size,
             settings.api_key,
             swa_full(infos, extra),
-            settings.reply_cap,
         )
     else:
         assert settings.model
@@ -101,6 +100,5 @@ async def managed_command(settings: Settings, binary: Path, port: int) -> Launch
             settings.ctx_size,
             settings.api_key,
             swa_full([info], extra),
-            settings.reply_cap,
         )
     return Launch(command, sleep_idle_seconds(extra))

@@ -100,10 +100,9 @@ def server_command(
     ctx_per_slot: int,
     api_key: str | None,
     extra: list[str],
-    reply_cap: int = -1,
 ) -> list[str]:
     cmd = [str(binary), "--model", str(model)]
-    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key, reply_cap)
+    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
     return cmd + list(extra)
 
 
@@ -117,7 +116,6 @@ def router_command(
     ctx_per_slot: int,
     api_key: str | None,
     extra: list[str],
-    reply_cap: int = -1,
 ) -> list[str]:
     """llama-server as a router over the GGUF models in `models_dir` (no --model). The router
     starts each model's server with its own flags but the listening address and the key, so
@@ -125,7 +123,7 @@ def router_command(
     cmd = [str(binary), "--models-dir", str(models_dir)]
     if models_max is not None:
         cmd += ["--models-max", str(models_max)]
-    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key, reply_cap)
+    cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
     return cmd + list(extra)
 
 
@@ -135,7 +133,6 @@ def server_flags(
     slots: int,
     ctx_per_slot: int,
     api_key: str | None,
-    reply_cap: int = -1,
 ) -> list[str]:
     flags = [
         "--host",
@@ -152,9 +149,6 @@ def server_flags(
         "--ctx-size",
         str(slots * ctx_per_slot),
     ]
-    if reply_cap >= 0:
-        # A request's own max_tokens still wins (docs/clients.md); extra flags come after.
-        flags += ["--n-predict", str(reply_cap)]
     if api_key:
         flags += ["--api-key", api_key]
     return flags

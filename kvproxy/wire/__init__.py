@@ -126,3 +126,18 @@ def keyed(
         return NotKeyed(str(exc))
     template = keys.template_fields(rendered)
     return Conversation(payload, ns, chain, messages, template, tenant)
+
+
+# Every field a client sets a reply's length with, on the routes kvproxy keys; the server
+# reads `n_predict`, then `max_tokens` (the Messages and Responses APIs are converted to it).
+REPLY_LIMITS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def with_reply_cap(payload: dict[str, Any], cap: int) -> dict[str, Any]:
+    """The payload with `n_predict: cap` when it sets no reply length (cap < 0: as it is).
+    Not llama-server's --n-predict: that also cuts requests asking for more, and shrinks the
+    context an /infill prompt is given (format_prompt_infill keeps n_ctx - n_batch -
+    2 * --n-predict tokens of extra chunks)."""
+    if cap < 0 or any(field in payload for field in REPLY_LIMITS):
+        return payload
+    return {**payload, "n_predict": cap}
