@@ -165,3 +165,30 @@ async def test_fim_replays_through_both_arms_and_a_restart(tmp_path: Path) -> No
         back = [r for r in mine if r.phase == "after restart"]
         assert len(back) == 2 and all(r.ideal == 0 for r in back)
     assert "after restart" in fim_replay.markdown(result)
+
+
+class _CharTokens(fim_replay.Tokens):
+    """One token a character (BOS 0): no server needed."""
+
+    async def of(self, text: str, special: bool = False) -> list[int]:
+        return ([0] if special else []) + [ord(c) for c in text]
+
+
+async def test_the_infill_ideal_cuts_the_prompt_as_the_server_does() -> None:
+    """format_prompt_infill keeps the end of the prefix within 3/4 of a batch, the start of
+    the suffix within the rest, and the end of the extra chunks within n_ctx - n_batch + 2:
+    an ideal without those cuts counts tokens the server never evaluates."""
+    tokens = _CharTokens(client=None, base="", n_ctx=4096)  # type: ignore[arg-type]
+    body = {
+        "input_prefix": "p" * 3000,
+        "prompt": "",
+        "input_suffix": "s" * 1000,
+        "input_extra": [{"filename": "a.py", "text": "x" * 5000}],
+    }
+    got = await tokens.infill(body)
+    n_batch = fim_replay.N_BATCH
+    assert got.count(ord("p")) == 3 * (n_batch // 4)
+    assert got.count(ord("s")) == n_batch // 4 - 2
+    pre = got.index(fim_replay.FIM_PRE)
+    assert pre == (4096 - n_batch + 2) + 1, "the extra chunks' end, then BOS"
+    assert got[-1] == fim_replay.FIM_MID

@@ -11,8 +11,7 @@ Ideal prefill of a request: its tokens beyond the longest token prefix it shares
 earlier prompt of the pass. For `/v1/completions` the prompt is tokenised by the server
 (`/tokenize`, `add_special`); for `/infill` it is assembled as `format_prompt_infill`
 (tools/server/server-common.cpp) lays it out — extra chunks, BOS, FIM_PRE prefix prompt,
-FIM_SUF suffix, FIM_MID — from the pieces' tokens, without its truncation to n_batch and
-n_ctx (which only cuts prompts longer than this session's).
+FIM_SUF suffix, FIM_MID — from the pieces' tokens, cut as it cuts them to n_batch and n_ctx.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from kvproxy_bench.report import progress
 PHASES = ["infill", "openai", "after restart"]
 # Stand-ins for the FIM special tokens: only equality matters to a common prefix.
 FIM_REP, FIM_SEP, FIM_PRE, FIM_SUF, FIM_MID = -1, -2, -3, -4, -5
+N_BATCH = 2048  # llama-server's default --batch-size, which no arm changes
 
 
 @dataclass
@@ -73,6 +73,7 @@ class Tokens:
 
     client: Client
     base: str
+    n_ctx: int  # per slot
     known: dict[tuple[str, bool], list[int]] = field(default_factory=dict)
 
     async def of(self, text: str, special: bool = False) -> list[int]:
@@ -84,7 +85,9 @@ class Tokens:
         return self.known[text, special]
 
     async def infill(self, body: dict[str, Any]) -> list[int]:
-        """`format_prompt_infill`'s layout (no truncation, no spm_infill)."""
+        """`format_prompt_infill`'s layout and cuts (no spm_infill): the end of the prefix
+        that fits 3/4 of a batch, the start of the suffix that fits the rest, the end of the
+        extra chunks that fits the context beyond a batch (the server's n_predict: -1)."""
         extra: list[int] = []
         chunks = body.get("input_extra") or []
         if chunks:
@@ -95,16 +98,13 @@ class Tokens:
         if chunks:
             extra += [FIM_SEP, *await self.of("filename\n")]
         bos = (await self.of("", True))[:1]
-        return [
-            *extra,
-            *bos,
-            FIM_PRE,
-            *await self.of(body["input_prefix"]),
-            *await self.of(body["prompt"]),
-            FIM_SUF,
-            *await self.of(body["input_suffix"]),
-            FIM_MID,
-        ]
+        prefix = await self.of(body["input_prefix"])
+        prompt = await self.of(body["prompt"])
+        suffix = await self.of(body["input_suffix"])
+        prefix = prefix[len(prefix) - min(len(prefix), 3 * (N_BATCH // 4)) :]
+        suffix = suffix[: min(len(suffix), max(0, N_BATCH // 4 - (2 + len(prompt))))]
+        extra = extra[len(extra) - min(max(0, self.n_ctx - N_BATCH + 2), len(extra)) :]
+        return [*extra, *bos, FIM_PRE, *prefix, *prompt, FIM_SUF, *suffix, FIM_MID]
 
 
 def ideal(now: list[int], earlier: list[list[int]]) -> int:
@@ -152,7 +152,7 @@ def _record(
 
 async def _replay(client: Client, arm: Arm, opts: FimOptions, result: FimResult) -> None:
     requests = session(opts)
-    tokens = Tokens(client, arm.url)
+    tokens = Tokens(client, arm.url, opts.ctx_per_slot)
     seen: list[list[int]] = []
     for req in requests:
         async with client.session.post(arm.url + "/infill", json=req.body) as resp:
