@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvproxy.cli.flags import add_settings_flags, load_settings
+from kvproxy.cli.flags import add_config_flag, add_settings_flags, load_settings
 from kvproxy.cli.logwriter import LogWriter
 from kvproxy.config import Settings
 
@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
             "DIR). Flags after `--` go to llama-server."
         ),
     )
+    add_config_flag(serve)
     add_settings_flags(serve)
     serve.set_defaults(func=None)
     for module in SUBCOMMANDS:
@@ -257,13 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The command line as typed, for commands that print it (benchmarks).
         parsed.argv = [*args, *(["--", *server_args] if server_args else [])]
         return int(parsed.func(parsed))
-    cli = {k: v for k, v in vars(parsed).items() if k not in ("command", "func")}
+    cli = {k: v for k, v in vars(parsed).items() if k not in ("command", "func", "config")}
     if server_args:
         cli["server_args"] = server_args
     if parsed.command == "serve":
         from kvproxy.server.managed import ServerError
 
-        settings = load_settings(cli)
+        settings = load_settings(cli, parsed.config)
         setup_logging(settings.log_level, settings.log_json)
         try:
             return asyncio.run(serve(settings))
