@@ -172,6 +172,8 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     app = build_app(settings, upstream_urls)
+    if fleet is not None:
+        app[SERVICE].server_log = fleet.recent_log  # the status page shows it
     # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off:
     # aiohttp waits its shutdown_timeout for them to end, then as long again once cancelled.
     runner = web.AppRunner(

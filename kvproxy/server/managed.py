@@ -31,6 +31,8 @@ log = logging.getLogger("kvproxy.managed")
 server_log = logging.getLogger("llama-server")
 
 BUNDLED_MODEL = "default"
+# The server's last lines kept for the status page (GET /kvproxy/server-log).
+LOG_TAIL_LINES = 1000
 
 
 class ServerError(RuntimeError):
@@ -214,6 +216,8 @@ class ManagedServer:
         self.prefix = f"[{tag}] " if tag else ""
         self.process: asyncio.subprocess.Process | None = None
         self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
+        # Kept across restarts, unlike last_lines: a death and the start after it both show.
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self.cpu_flags: frozenset[str] = frozenset()
         self._reader: asyncio.Task[None] | None = None
         self._holding = False  # the server's lines are held back while a terminal waits
@@ -279,6 +283,7 @@ class ManagedServer:
         async for raw in self.process.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             self.last_lines.append(line)
+            self.log_tail.append(line)
             level = logging.DEBUG if self._holding else logging.INFO
             server_log.log(level, "%s%s", self.prefix, line)
 
@@ -321,6 +326,12 @@ class ManagedServer:
             lines = await asyncio.to_thread(_tail, self.log_path, self.last_lines.maxlen or 40)
             self.last_lines.extend(lines)
 
+    async def recent_log(self, n: int) -> list[str]:
+        """The server's last `n` lines (its log file's, when it writes one)."""
+        if self.log_path is not None:
+            return await asyncio.to_thread(_tail, self.log_path, n)
+        return list(self.log_tail)[-n:] if n > 0 else []  # [-0:] would be every line
+
     def death_message(self) -> str:
         code = self.process.returncode if self.process else None
         tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
@@ -354,10 +365,12 @@ class ManagedServer:
 
 
 def _tail(path: Path, n: int) -> list[str]:
+    if n <= 0:
+        return []
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
+            f.seek(max(0, f.tell() - max(16384, 400 * n)))
             data = f.read()
     except OSError:
         return []
