@@ -60,6 +60,16 @@ def request(
         return err.code, dict(err.headers), json.loads(err.read())
 
 
+def stop(proc: subprocess.Popen[str]) -> None:
+    """As systemd would: SIGTERM, then SIGKILL if it does not end within a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     root = tmp_path_factory.mktemp("unified")
@@ -71,12 +81,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         server_url = wait_ready(proc, log, port)
         yield Running(proc, f"http://127.0.0.1:{port}", server_url, log)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_managed_mode_serves_and_caches_through_llama_serve(running: Running) -> None:
@@ -132,9 +137,4 @@ def test_a_router_started_as_llama_serve_starts_its_models(
         assert status == 200, reply
         assert reply["choices"][0]["message"]["role"] == "assistant"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

@@ -61,7 +61,7 @@ async def test_the_route_returns_the_tail(make: Maker, tmp_path: Path) -> None:
         assert await server_log(proxy) == (200, {"managed": True, "lines": STANDIN_LINES})
         status, body = await server_log(proxy, "?lines=2")
         assert status == 200 and body["lines"] == STANDIN_LINES[-2:]
-        for bad in ("0", "abc", "1001", "-1"):
+        for bad in ("0", "abc", "1001", "-1", "%C2%B2", "9" * 5000):
             status, body = await server_log(proxy, f"?lines={bad}")
             assert status == 400 and body["error"]["code"] == "invalid_lines", bad
     finally:

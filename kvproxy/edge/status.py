@@ -16,9 +16,9 @@ from typing import NoReturn
 from aiohttp import web
 
 from kvproxy.http.errors import error_response
+from kvproxy.server.managed import LOG_TAIL_LINES as MAX_LOG_LINES
 
 LOG_LINES = 200  # what the page shows
-MAX_LOG_LINES = 1000  # as many as managed mode keeps (managed.py LOG_TAIL_LINES)
 
 
 @functools.cache
@@ -67,7 +67,8 @@ async def server_log_response(
     """`{"managed": bool, "lines": [...]}`, the last `?lines=N` (1-1000, default 200) lines of
     the managed servers' log; in sidecar mode kvproxy has none (`managed: false`)."""
     raw = request.query.get("lines", str(LOG_LINES))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LOG_LINES:
+    # ASCII digits only, and few of them: int() refuses "²" and 5,000-digit strings.
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and 1 <= int(raw) <= MAX_LOG_LINES):
         return error_response(
             400, f"lines must be a whole number from 1 to {MAX_LOG_LINES}", "invalid_lines"
         )
