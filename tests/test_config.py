@@ -53,7 +53,7 @@ def test_every_setting_is_a_flag() -> None:
 def test_server_args_after_double_dash(monkeypatch: pytest.MonkeyPatch) -> None:
     captured = {}
 
-    def fake_load(cli: dict[str, Any]) -> Settings:
+    def fake_load(cli: dict[str, Any], config: Path | None = None) -> Settings:
         captured.update(cli)
         raise SystemExit(0)
 

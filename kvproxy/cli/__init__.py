@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvproxy.cli.flags import add_settings_flags, load_settings
+from kvproxy.cli.flags import add_config_flag, add_settings_flags, load_settings
 from kvproxy.cli.logwriter import LogWriter
 from kvproxy.config import Settings
 
@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
             "DIR). Flags after `--` go to llama-server."
         ),
     )
+    add_config_flag(serve)
     add_settings_flags(serve)
     serve.set_defaults(func=None)
     for module in SUBCOMMANDS:
@@ -117,7 +118,7 @@ async def serve(settings: Settings) -> int:
     from kvproxy.server import leftover
     from kvproxy.server.fleet import Fleet
     from kvproxy.server.launch import managed_command
-    from kvproxy.server.managed import ManagedServer, find_server_binary, free_port
+    from kvproxy.server.managed import ManagedServer, find_server, free_port
 
     if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
         raise SystemExit(
@@ -127,7 +128,7 @@ async def serve(settings: Settings) -> int:
         )
     fleet: Fleet | None = None
     if settings.model or settings.models_dir:
-        binary = find_server_binary(settings.server_bin)
+        binary = await asyncio.to_thread(find_server, settings.server_bin)
         settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         ports: list[int] = []
         while len(ports) < settings.servers:
@@ -171,6 +172,8 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     app = build_app(settings, upstream_urls)
+    if fleet is not None:
+        app[SERVICE].server_log = fleet.recent_log  # the status page shows it
     # At SIGTERM requests in flight get a third of the shutdown deadline, then are cut off:
     # aiohttp waits its shutdown_timeout for them to end, then as long again once cancelled.
     runner = web.AppRunner(
@@ -257,13 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The command line as typed, for commands that print it (benchmarks).
         parsed.argv = [*args, *(["--", *server_args] if server_args else [])]
         return int(parsed.func(parsed))
-    cli = {k: v for k, v in vars(parsed).items() if k not in ("command", "func")}
+    cli = {k: v for k, v in vars(parsed).items() if k not in ("command", "func", "config")}
     if server_args:
         cli["server_args"] = server_args
     if parsed.command == "serve":
         from kvproxy.server.managed import ServerError
 
-        settings = load_settings(cli)
+        settings = load_settings(cli, parsed.config)
         setup_logging(settings.log_level, settings.log_json)
         try:
             return asyncio.run(serve(settings))

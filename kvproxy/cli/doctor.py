@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvproxy.cli.flags import add_settings_flags, settings_from_args
+from kvproxy.cli.flags import add_config_flag, add_settings_flags, settings_from_args
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "restores save any time on this model."
         ),
     )
+    add_config_flag(parser)  # the server `kvproxy serve --config` names
     add_settings_flags(parser, only=("upstream", "upstream_api_key", "cache_dir", "max_disk"))
     parser.add_argument("--quick", action="store_true", help="skip the probes that use slots")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")

@@ -4,14 +4,16 @@ never drift apart. Every subcommand that takes settings builds its flags here.""
 from __future__ import annotations
 
 import argparse
+import tomllib
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvproxy.config import Settings
+from kvproxy.config import Settings, settings_with_file
 
 
 def _is_bool(annotation: Any) -> bool:
@@ -63,16 +65,45 @@ def add_settings_flags(parser: argparse.ArgumentParser, only: Sequence[str] | No
             )
 
 
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help="read settings from this TOML file (keys: the flags' names with underscores, "
+        'e.g. cache_dir = "/var/cache/kvproxy"); flags and KVPROXY_* env vars win over it',
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from the Settings-field flags present in `args` (plus env vars)."""
+    """Settings from the Settings-field flags present in `args` (plus env vars, and the
+    --config file when the command takes one)."""
     cli = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return load_settings(cli)
+    return load_settings(cli, getattr(args, "config", None))
 
 
-def load_settings(cli: dict[str, Any]) -> Settings:
-    """Flags win over env vars; an invalid value is one clear line, not a traceback."""
+def _file_keys(config: Path) -> set[str]:
+    """The file's top-level keys; a missing or malformed file is one clear line."""
     try:
-        return Settings(**cli)
+        with open(config, "rb") as f:
+            return set(tomllib.load(f))
+    except FileNotFoundError:
+        raise SystemExit(f"kvproxy: --config {config}: no such file") from None
+    except OSError as exc:
+        raise SystemExit(f"kvproxy: --config {config}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SystemExit(f"kvproxy: --config {config}: not valid TOML: {exc}") from None
+
+
+def load_settings(cli: dict[str, Any], config: Path | None = None) -> Settings:
+    """Flags win over env vars, env vars over the config file; an invalid value is one clear
+    line, not a traceback."""
+    in_file = _file_keys(config) if config is not None else set()
+    try:
+        if config is None:
+            return Settings(**cli)
+        return settings_with_file(config)(**cli)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -80,6 +111,13 @@ def load_settings(cli: dict[str, Any]) -> Settings:
                 problems.append(str(err["msg"]).removeprefix("Value error, "))
                 continue
             field = str(err["loc"][0])
+            if err["type"] == "extra_forbidden":  # only the file can name an unknown setting
+                spelled = field.replace("-", "_")
+                hint = f" (write it {spelled})" if spelled in Settings.model_fields else ""
+                problems.append(f"{config}: unknown setting {field!r}{hint}")
+                continue
             where = f"--{field.replace('_', '-')} / KVPROXY_{field.upper()}"
+            if field in in_file:
+                where += f" / {field} in {config}"
             problems.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
         raise SystemExit(f"kvproxy: invalid setting: {'; '.join(problems)}") from None

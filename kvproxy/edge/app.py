@@ -76,6 +76,8 @@ class Service:
         self.in_flight = InFlight()  # named when a managed server dies
         # Managed mode: None while a server runs, else the seconds until one starts again.
         self.servers_down_for: Callable[[], float | None] = lambda: None
+        # Managed mode: the servers' last N log lines (GET /kvproxy/server-log).
+        self.server_log: Callable[[int], Awaitable[list[str]]] | None = None
         # time.monotonic() by which saving at shutdown must end (kvproxy serve sets it at
         # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
         self.stop_by: float | None = None
@@ -138,6 +140,8 @@ async def own_route(request: web.Request, service: Service, path: str) -> web.St
         return web.json_response(service.stats(), dumps=lambda o: orjson.dumps(o).decode())
     if request.method == "GET" and path == "/kvproxy/status.json":
         return web.json_response(service.status(), dumps=lambda o: orjson.dumps(o).decode())
+    if request.method == "GET" and path == "/kvproxy/server-log":
+        return await status.server_log_response(request, service.server_log)
     if request.method == "GET" and path == "/kvproxy":
         # normal_path drops the slash; the page's relative URLs need it.
         return status.page_response() if request.path.endswith("/") else status.to_page()

@@ -134,7 +134,11 @@ ROUTES: tuple[Route, ...] = (
     *_each(("/", "/sw.js"), GET, Treatment.PASS, "the server's web UI"),
     # --- kvproxy's own
     Route(
-        "/kvproxy/*", ANY, Treatment.OWN, "/kvproxy/stats, the status page /kvproxy/, and the rest"
+        "/kvproxy/*",
+        ANY,
+        Treatment.OWN,
+        "/kvproxy/stats, the status page /kvproxy/, the managed server's log "
+        "/kvproxy/server-log, and the rest",
     ),
     Route("/metrics", GET, Treatment.OWN, "kvproxy's metrics (scrape the server for its own)"),
     # --- refused (403), whatever --allow-route says

@@ -1,6 +1,7 @@
 """The status page (`GET /kvproxy/`): one self-contained HTML file (status.html, shipped as
 package data: inline CSS and JS, nothing fetched from elsewhere, so it works offline) that
-polls `GET /kvproxy/status.json` every 2 s. Same access rule as `/kvproxy/stats`."""
+polls `GET /kvproxy/status.json` every 2 s, and in managed mode the server's log tail
+(`GET /kvproxy/server-log?lines=N`). Same access rule as `/kvproxy/stats`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import base64
 import functools
 import hashlib
 import re
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import NoReturn
 
 from aiohttp import web
+
+from kvproxy.http.errors import error_response
+from kvproxy.server.managed import LOG_TAIL_LINES as MAX_LOG_LINES
+
+LOG_LINES = 200  # what the page shows
 
 
 @functools.cache
@@ -52,3 +59,20 @@ def page_response() -> web.Response:
 def to_page() -> NoReturn:
     """`/kvproxy` without its slash: the page's relative `status.json` needs it."""
     raise web.HTTPFound("/kvproxy/")
+
+
+async def server_log_response(
+    request: web.Request, tail: Callable[[int], Awaitable[list[str]]] | None
+) -> web.Response:
+    """`{"managed": bool, "lines": [...]}`, the last `?lines=N` (1-1000, default 200) lines of
+    the managed servers' log; in sidecar mode kvproxy has none (`managed: false`)."""
+    raw = request.query.get("lines", str(LOG_LINES))
+    # ASCII digits only, and few of them: int() refuses "²" and 5,000-digit strings.
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and 1 <= int(raw) <= MAX_LOG_LINES):
+        return error_response(
+            400, f"lines must be a whole number from 1 to {MAX_LOG_LINES}", "invalid_lines"
+        )
+    lines = await tail(int(raw)) if tail is not None else []
+    return web.json_response(
+        {"managed": tail is not None, "lines": lines}, headers={"Cache-Control": "no-store"}
+    )

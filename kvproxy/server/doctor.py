@@ -22,6 +22,7 @@ from typing import Any, Literal
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
+from kvproxy.server.findlocal import NOT_FOUND, local_server
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 from kvproxy.server.router import is_router
 
@@ -351,12 +352,11 @@ def render(checks: list[Check]) -> str:
 
 
 async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:
-    """Every check on every server (`--upstream` given several times: each one's checks are
-    named with its address, and one more says whether they can serve each other's
-    conversations)."""
-    urls = settings.upstream_urls
+    """Every check on every server (--upstream given several times: each one's checks are
+    named with its address, and one more says whether they serve each other's conversations)."""
+    urls = settings.upstream_urls or await local_server()  # none given: port 8080 or 9931
     if not urls:
-        return [Check("server", "fail", "no llama-server given", "pass --upstream URL")]
+        return [Check("server", "fail", *NOT_FOUND)]
     doctors = [await _examine(settings, url, quick) for url in urls]
     if len(doctors) == 1:
         return doctors[0].checks

