@@ -10,11 +10,16 @@ state only when the prompt extends it. After every step:
 - every decision label is true: a returning session gets back at least its previous prompt
   (it is resident or restored, never a miss: its state is on disk or in a slot), and a
   `resident` new session reuses at least the system prompt it shares.
+
+One agent's system prompt is long enough to be presumed an opening (openings.py), so new
+sessions starting at once also meet the path where one evaluates it and the others wait
+and restore it. `KVPROXY_MODEL_EXAMPLES=200` runs more examples than `make test`'s 25.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +43,8 @@ from .conftest import RunningProxy, start_proxy
 from .ledger import REWRITABLE_TAIL, LedgerServer
 
 SYSTEMS = [
-    f"You are agent {name}. Work carefully through the task.\n" + f"{name} rule. " * 80
-    for name in ("alpha", "beta")
+    f"You are agent {name}. Work carefully through the task.\n" + f"{name} rule. " * n
+    for name, n in (("alpha", 80), ("beta", 360))
 ]
 MAX_SESSIONS = 4
 
@@ -87,7 +92,7 @@ class SharedOpenings(RuleBasedStateMachine):
     def start(self, n_slots: int, reuse: str) -> None:
         cache = Path(self.tmp.name)
         self.fake = LedgerServer(
-            slot_save_path=cache, n_slots=n_slots, reuse=reuse, token_delay=0.001
+            slot_save_path=cache, n_slots=n_slots, reuse=reuse, token_delay=0.001, n_ctx=16384
         )
         self.run(self.fake.start())
         self.proxy = self.run(start_proxy(self.fake.url, cache))
@@ -220,7 +225,7 @@ def test_sessions_sharing_openings_keep_every_state_and_true_labels() -> None:
     run_state_machine_as_test(
         SharedOpenings,
         settings=settings(
-            max_examples=25,
+            max_examples=int(os.environ.get("KVPROXY_MODEL_EXAMPLES", 25)),
             stateful_step_count=12,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
