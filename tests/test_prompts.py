@@ -9,7 +9,8 @@ from typing import Any
 
 import aiohttp
 
-from .conftest import Maker, start_proxy
+from .conftest import Maker, RunningProxy, start_proxy
+from .fakeserver import FakeLlamaServer
 from .test_cache import settle
 from .test_openings import as_class
 
@@ -33,6 +34,15 @@ async def complete(
 
 def cache_n(body: dict[str, Any]) -> int:
     return int(body["timings"]["cache_n"])
+
+
+async def restarted(fake: FakeLlamaServer, proxy: RunningProxy) -> RunningProxy:
+    """kvproxy restarts, and the server's slots are wiped (it restarted too)."""
+    await settle(proxy)
+    await proxy.stop()
+    for slot in fake.slots:
+        slot.tokens = []
+    return await start_proxy(fake.url, fake.save_dir)
 
 
 async def test_the_same_prompt_twice_reuses_it_all_as_the_server_alone_does(make: Maker) -> None:
@@ -83,12 +93,7 @@ async def test_an_evicted_prompt_comes_back_from_disk_and_after_a_restart(
     status, body, label = await complete(proxy.url, texts[0] + " again")
     assert status == 200 and label == "restored"
     assert body["timings"]["prompt_n"] <= 20, body["timings"]
-    await settle(proxy)
-    # kvproxy restarts; the server's slots are wiped (it restarted too).
-    await proxy.stop()
-    for slot in fake.slots:
-        slot.tokens = []
-    proxy = await start_proxy(fake.url, fake.save_dir)
+    proxy = await restarted(fake, proxy)
     try:
         status, body, label = await complete(proxy.url, texts[1] + " again")
         assert status == 200 and label == "restored", label
@@ -126,11 +131,7 @@ async def test_an_editor_back_at_a_line_restores_the_state_saved_further_along_i
     for text in cursors:
         status, _, _ = await complete(proxy.url, text, "/v1/completions")
         assert status == 200
-    await settle(proxy)
-    await proxy.stop()
-    for slot in fake.slots:
-        slot.tokens = []
-    proxy = await start_proxy(fake.url, fake.save_dir)
+    proxy = await restarted(fake, proxy)
     try:
         as_class(proxy, "swa", 1024)
         status, body, label = await complete(proxy.url, cursors[0], "/v1/completions")
