@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from kvproxy.cache.policy import Decision
+from kvproxy.cache.prefillrate import PrefillRates
 
 log = logging.getLogger("kvproxy.events")
 
@@ -61,6 +62,11 @@ class RequestEvent:
     # and, when the server reused less than half of them, why.
     expected_n: int | None = None
     weak: str | None = None
+    # The server (and a router's model) that served it, whose cold prefills price its cached
+    # tokens; set even with one server (`backend` names it only among several).
+    served_by: str = ""
+    # Prefill time its cached tokens saved (set by `Events`; None: no cold prefill seen yet).
+    prefill_saved_s: float | None = None
 
 
 @dataclass
@@ -85,11 +91,16 @@ class Listener(Protocol):
 
 @dataclass
 class Events:
-    """Where the cache's parts report; metrics and the request log listen."""
+    """Where the cache's parts report; metrics and the request log listen. Prices each
+    request's cached tokens once, for all of them."""
 
     listeners: list[Listener] = field(default_factory=list)
+    rates: PrefillRates = field(default_factory=PrefillRates)
 
     def request(self, event: RequestEvent) -> None:
+        if event.prompt_n is not None and event.prompt_ms is not None:
+            self.rates.observe(event.served_by, event.cache_n, event.prompt_n, event.prompt_ms)
+        event.prefill_saved_s = self.rates.saved_s(event.served_by, event.cache_n, event.restore_ms)
         for listener in self.listeners:
             try:
                 listener.on_request(event)
