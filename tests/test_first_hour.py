@@ -10,7 +10,10 @@ import pytest
 
 from kvproxy.cli.flags import load_settings
 from kvproxy.config import Settings
-from kvproxy.server.managed import server_command
+from kvproxy.server.managed import free_port, server_command
+from kvproxy.server.savepath import PROBE_MARK
+
+from .conftest import RealServer
 
 
 def test_an_upstream_given_as_the_openai_base_url_is_the_server_address() -> None:
@@ -55,3 +58,50 @@ def test_serve_help_shows_defaults() -> None:
     ).stdout
     flat = " ".join(out.split())
     assert "default 8081" in flat and "default 2048" in flat
+
+
+def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvproxy", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.real
+def test_a_sidecar_whose_cache_dir_is_not_the_servers_does_not_start(
+    real_server: RealServer, tmp_path: Path
+) -> None:
+    mine = tmp_path / "elsewhere"
+    mine.mkdir(mode=0o700)
+    port = str(free_port())
+    run = _serve("--upstream", real_server.url, "--cache-dir", str(mine), "--port", port)
+    assert run.returncode != 0, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvproxy: llama-server at "), run.stderr
+    assert f"start llama-server with --slot-save-path {mine}" in last
+    assert "or pass --cache-dir <its --slot-save-path>" in last
+    # Its probe is what landed in the server's dir; nothing kvproxy wrote is in its own.
+    probes = [p.name for p in real_server.cache_dir.iterdir() if p.name.endswith(PROBE_MARK)]
+    assert len(probes) == 1 and probes[0] in last
+    assert not any(p.suffix == ".tmp" for p in mine.iterdir())
+
+
+@pytest.mark.real
+def test_a_sidecar_on_the_servers_dir_starts_and_leaves_no_probe(real_server: RealServer) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvproxy", "serve", "--upstream", real_server.url]
+    cmd += ["--cache-dir", str(real_server.cache_dir), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "kvproxy ready" in line:
+                break
+        else:
+            raise AssertionError(f"kvproxy ended: {proc.wait()}")
+        assert not [p for p in real_server.cache_dir.iterdir() if PROBE_MARK in p.name]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -24,6 +24,7 @@ from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 from kvproxy.server.router import is_router
+from kvproxy.server.savepath import Landed, probe_save_path
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -198,40 +199,35 @@ class Doctor:
             self.add("cache dir", "ok", f"{self.cache_dir}: private, {_gib(free)} free")
 
     async def check_save_path(self) -> None:
-        slot = self._idle_slot()
-        if slot is None:
-            self.add("slot save path", "warn", "every slot is busy: not probed; rerun later")
+        probe = await probe_save_path(self.llama, self.cache_dir)
+        if probe.landed is Landed.NOT_PROBED:
+            self.add("slot save path", "warn", f"not probed ({probe.detail}); rerun later")
             return
-        name = f"{secrets.token_hex(16)}.doctor.tmp"
-        try:
-            saved = await self.llama.save(slot, name, timeout=60)
-        except UpstreamError as exc:
-            if exc.status == 501:
-                self.add(
-                    "slot save path",
-                    "fail",
-                    "slot save/restore is off in llama-server",
-                    f"start llama-server with --slot-save-path {self.cache_dir}",
-                )
-            else:
-                self.add("slot save path", "fail", f"a probe save failed: {exc}")
-            raise Stop from None
-        probe = self.cache_dir / name
-        landed = await asyncio.to_thread(probe.exists)
-        await asyncio.to_thread(_unlink, probe)
-        if not landed:
+        if probe.landed is Landed.FAILED:
+            self.add("slot save path", "fail", probe.detail)
+            raise Stop
+        if probe.landed is Landed.OFF:
             self.add(
                 "slot save path",
                 "fail",
-                f"llama-server saves slots somewhere else than {self.cache_dir}",
+                "slot save/restore is off in llama-server",
+                f"start llama-server with --slot-save-path {self.cache_dir}",
+            )
+            raise Stop
+        if probe.landed is Landed.ELSEWHERE:
+            self.add(
+                "slot save path",
+                "fail",
+                f"llama-server saves slots somewhere else than {self.cache_dir} (its probe "
+                f"file {probe.filename} is there)",
                 f"start llama-server with --slot-save-path {self.cache_dir} "
-                "(the same dir as kvproxy's --cache-dir)",
+                "(the same dir as kvproxy's --cache-dir), or pass --cache-dir <its dir>",
             )
             raise Stop
         self.add(
             "slot save path",
             "ok",
-            f"a probe save landed in {self.cache_dir} ({saved.n_written} bytes)",
+            f"a probe save landed in {self.cache_dir} ({probe.n_written} bytes)",
         )
 
     async def check_idle_wipe(self) -> None:
