@@ -13,7 +13,9 @@ from kvproxy.config import Settings
 from kvproxy.server.managed import free_port, server_command
 from kvproxy.server.savepath import PROBE_MARK
 
-from .conftest import RealServer
+from .conftest import RealServer, start_proxy
+from .fakeserver import FakeLlamaServer
+from .test_cache import chat, conv, settle
 
 
 def test_an_upstream_given_as_the_openai_base_url_is_the_server_address() -> None:
@@ -105,3 +107,25 @@ def test_a_sidecar_on_the_servers_dir_starts_and_leaves_no_probe(real_server: Re
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+async def test_a_save_found_in_another_dir_turns_saving_off(tmp_path: Path) -> None:
+    """A sidecar started before its server (not probed) whose dirs differ: its first save
+    says so and turns the disk cache off, not one temp file left in the server's dir a save."""
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    theirs.mkdir(mode=0o700)
+    mine.mkdir(mode=0o700)
+    fake = FakeLlamaServer(slot_save_path=theirs)  # 2 slots
+    await fake.start()
+    proxy = await start_proxy(fake.url, mine)
+    try:
+        for n in range(1, 9):  # every new conversation past the second saves a slot first
+            assert (await chat(proxy, conv(n)))[0] == 200
+            await settle(proxy)
+        left = [p.name for p in theirs.iterdir()]
+        # At most the saves already under way when the first found out (one a slot).
+        assert 1 <= len(left) <= 2 and all(name.endswith(".tmp") for name in left), left
+        assert proxy.stats()["disk_enabled"] is False
+    finally:
+        await proxy.stop()
+        await fake.stop()

@@ -112,10 +112,7 @@ class SlotWork:
     # --- saving
 
     async def save(
-        self,
-        slot: Slot,
-        background: bool = False,
-        give_way: Callable[[], bool] | None = None,
+        self, slot: Slot, background: bool = False, give_way: Callable[[], bool] | None = None
     ) -> bool:
         """Save what the slot holds under its key. The slot must be ours and verified.
         `background`: no request waits for it (counted apart); it stops before each of its
@@ -130,10 +127,7 @@ class SlotWork:
         await self.under_way.done(keys)
 
     async def _save(
-        self,
-        slot: Slot,
-        background: bool,
-        give_way: Callable[[], bool] | None,
+        self, slot: Slot, background: bool, give_way: Callable[[], bool] | None
     ) -> bool:
 
         def stop() -> bool:
@@ -184,6 +178,10 @@ class SlotWork:
             else:
                 self._disk_error(f"save of slot {slot.id} failed: {exc}")
             return False
+        except FileNotFoundError as exc:  # saved into another dir: every save would leave one
+            await self._save_failed(started, temp)
+            self._no_slot_actions(f"{exc} in --cache-dir: its --slot-save-path is another dir")
+            return False
         except (OSError, ValueError, KeyError, TypeError) as exc:
             await self._save_failed(started, temp)
             self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
@@ -208,11 +206,12 @@ class SlotWork:
         await self.evict()
         return True
 
-    def _no_slot_actions(self) -> None:
+    def _no_slot_actions(self, why: str = "llama-server has no --slot-save-path") -> None:
         self.backend.refuses_slot_actions()
         log.warning(
-            "llama-server has no --slot-save-path: disk cache off (start it with "
-            "--slot-save-path %s)",
+            "%s: disk cache off (start llama-server with --slot-save-path %s, or pass "
+            "--cache-dir <its --slot-save-path>)",
+            why,
             self.settings.cache_dir,
         )
 
