@@ -129,3 +129,29 @@ async def test_a_save_found_in_another_dir_turns_saving_off(tmp_path: Path) -> N
     finally:
         await proxy.stop()
         await fake.stop()
+
+
+def _without(module: str, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run as a user would, with `module` not installed."""
+    hide = f"import sys; sys.modules[{module!r}] = None; "
+    return subprocess.run(
+        [sys.executable, "-c", hide + code], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("scenario", ["restore", "store"])
+def test_kvproxy_bench_without_the_benchmarks_says_how_to_install_them(scenario: str) -> None:
+    run = _without("kvproxy_bench", f"from kvproxy.cli import main; main(['bench', {scenario!r}])")
+    assert run.returncode == 1
+    message = run.stderr.strip()
+    assert "\n" not in message and message.endswith("pip install -e ./bench`"), message
+
+
+@pytest.mark.parametrize("example", ["openai_chat.py", "openai_stream.py", "openai_tools.py"])
+def test_an_example_without_the_openai_sdk_says_pip_install_openai(example: str) -> None:
+    path = Path(__file__).resolve().parent.parent / "examples" / example
+    assert "pip install openai" in path.read_text().split('"""')[1]  # its docstring says so
+    run = _without("openai", f"import runpy; runpy.run_path({str(path)!r}, run_name='__main__')")
+    assert run.returncode == 1
+    assert run.stderr.strip().endswith("pip install openai"), run.stderr
+    assert "Traceback" not in run.stderr
