@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,33 @@ def test_an_example_without_the_openai_sdk_says_pip_install_openai(example: str)
     assert run.returncode == 1
     assert run.stderr.strip().endswith("pip install openai"), run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.real
+def test_doctor_finds_the_server_make_run_started(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "kvproxy", "serve", "--model", "default", "--slots", "2"]
+    cmd += ["--cache-dir", str(cache), "--port", str(free_port())]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "kvproxy ready" in line:
+                break
+        else:
+            raise AssertionError(f"kvproxy ended: {proc.wait()}")
+        doctor = [sys.executable, "-m", "kvproxy", "doctor", "--cache-dir", str(cache)]
+        run = subprocess.run(
+            [*doctor, "--quick", "--json"], capture_output=True, text=True, timeout=120
+        )
+        checks = {c["name"]: c for c in json.loads(run.stdout)}
+        assert checks["found"]["status"] == "ok", checks
+        assert checks["found"]["detail"].startswith("http://127.0.0.1:")
+        assert checks["slot save path"]["status"] == "ok", checks
+        assert run.returncode == 0, checks
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    # Once that kvproxy stopped (and its server with it), nothing is found, in one line.
+    run = subprocess.run([*doctor, "--quick"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "no kvproxy started one on" in run.stdout

@@ -22,9 +22,10 @@ from typing import Any, Literal
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
+from kvproxy.server.leftover import managed_urls
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 from kvproxy.server.router import is_router
-from kvproxy.server.savepath import Landed, probe_save_path
+from kvproxy.server.savepath import probe_check, probe_save_path
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -199,36 +200,10 @@ class Doctor:
             self.add("cache dir", "ok", f"{self.cache_dir}: private, {_gib(free)} free")
 
     async def check_save_path(self) -> None:
-        probe = await probe_save_path(self.llama, self.cache_dir)
-        if probe.landed is Landed.NOT_PROBED:
-            self.add("slot save path", "warn", f"not probed ({probe.detail}); rerun later")
-            return
-        if probe.landed is Landed.FAILED:
-            self.add("slot save path", "fail", probe.detail)
+        status, detail, fix = probe_check(await probe_save_path(self.llama, self.cache_dir))
+        self.add("slot save path", status, detail, fix)
+        if status == "fail":
             raise Stop
-        if probe.landed is Landed.OFF:
-            self.add(
-                "slot save path",
-                "fail",
-                "slot save/restore is off in llama-server",
-                f"start llama-server with --slot-save-path {self.cache_dir}",
-            )
-            raise Stop
-        if probe.landed is Landed.ELSEWHERE:
-            self.add(
-                "slot save path",
-                "fail",
-                f"llama-server saves slots somewhere else than {self.cache_dir} (its probe "
-                f"file {probe.filename} is there)",
-                f"start llama-server with --slot-save-path {self.cache_dir} "
-                "(the same dir as kvproxy's --cache-dir), or pass --cache-dir <its dir>",
-            )
-            raise Stop
-        self.add(
-            "slot save path",
-            "ok",
-            f"a probe save landed in {self.cache_dir} ({probe.n_written} bytes)",
-        )
 
     async def check_idle_wipe(self) -> None:
         idle = [s.id for s in self.slots if not s.is_processing]
@@ -351,17 +326,29 @@ async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:
     named with its address, and one more says whether they can serve each other's
     conversations)."""
     urls = settings.upstream_urls
-    if not urls:
-        return [Check("server", "fail", "no llama-server given", "pass --upstream URL")]
+    found: list[Check] = []
+    if not urls:  # the servers a kvproxy started (managed mode, `make run`) on this cache dir
+        urls = await asyncio.to_thread(managed_urls, settings.cache_dir)
+        if not urls:
+            return [
+                Check(
+                    "server",
+                    "fail",
+                    f"no llama-server given, and no kvproxy started one on {settings.cache_dir}",
+                    "pass --upstream URL (or the --cache-dir of the kvproxy that started one)",
+                )
+            ]
+        where = ", ".join(urls)
+        found = [Check("found", "ok", f"{where}: started by kvproxy on {settings.cache_dir}")]
     doctors = [await _examine(settings, url, quick) for url in urls]
     if len(doctors) == 1:
-        return doctors[0].checks
+        return [*found, *doctors[0].checks]
     checks = [
         replace(c, name=f"{c.name} [{url.split('://', 1)[-1]}]")
         for url, doctor in zip(urls, doctors, strict=True)
         for c in doctor.checks
     ]
-    return [*checks, same_model(urls, [d.props for d in doctors])]
+    return [*found, *checks, same_model(urls, [d.props for d in doctors])]
 
 
 async def _examine(settings: Settings, url: str, quick: bool) -> Doctor:

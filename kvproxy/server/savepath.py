@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Literal
 
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient
@@ -45,6 +46,7 @@ class Landed(StrEnum):
 
 @dataclass(frozen=True)
 class Probe:
+    cache_dir: Path
     landed: Landed
     filename: str = ""
     n_written: int = 0
@@ -61,23 +63,44 @@ async def probe_save_path(llama: LlamaClient, cache_dir: Path) -> Probe:
     try:
         slots = await llama.slots()
     except UpstreamError as exc:
-        return Probe(Landed.NOT_PROBED, detail=f"GET /slots: {exc}")
+        return Probe(cache_dir, Landed.NOT_PROBED, detail=f"GET /slots: {exc}")
     idle = [s for s in slots if not s.is_processing]
     if not idle:
-        return Probe(Landed.NOT_PROBED, detail="every slot is busy")
+        return Probe(cache_dir, Landed.NOT_PROBED, detail="every slot is busy")
     slot = min(idle, key=lambda s: s.n_prompt_tokens or 0)
     name = probe_name()
     try:
         saved = await llama.save(slot.id, name, timeout=PROBE_TIMEOUT)
     except UpstreamError as exc:
         if exc.status == 501:
-            return Probe(Landed.OFF, name)
-        return Probe(Landed.FAILED, name, detail=f"a probe save failed: {exc}")
+            return Probe(cache_dir, Landed.OFF, name)
+        return Probe(cache_dir, Landed.FAILED, name, detail=f"a probe save failed: {exc}")
     probe = cache_dir / name
     here = await asyncio.to_thread(probe.exists)
     if here:
         await asyncio.to_thread(_unlink, probe)
-    return Probe(Landed.HERE if here else Landed.ELSEWHERE, name, saved.n_written)
+    return Probe(cache_dir, Landed.HERE if here else Landed.ELSEWHERE, name, saved.n_written)
+
+
+def probe_check(probe: Probe) -> tuple[Literal["ok", "warn", "fail"], str, str]:
+    """`kvproxy doctor`'s verdict on a probe: status, what it found, the fix."""
+    where = probe.cache_dir
+    if probe.landed is Landed.HERE:
+        return "ok", f"a probe save landed in {where} ({probe.n_written} bytes)", ""
+    if probe.landed is Landed.NOT_PROBED:
+        return "warn", f"not probed ({probe.detail}); rerun later", ""
+    if probe.landed is Landed.FAILED:
+        return "fail", probe.detail, ""
+    if probe.landed is Landed.OFF:
+        fix = f"start llama-server with --slot-save-path {where}"
+        return "fail", "slot save/restore is off in llama-server", fix
+    return (
+        "fail",
+        f"llama-server saves slots somewhere else than {where} (its probe file "
+        f"{probe.filename} is there)",
+        f"start llama-server with --slot-save-path {where} (the same dir as kvproxy's "
+        "--cache-dir), or pass --cache-dir <its dir>",
+    )
 
 
 def elsewhere_message(url: str, cache_dir: Path, probe: Probe) -> str:
