@@ -1,10 +1,15 @@
-"""A new user's first mistakes, caught at start in one line; managed mode's reply cap."""
+"""A new user's first hour (#37): mistakes caught at start in one line (flags of the other
+mode, a sidecar's cache dir not the server's), managed mode's reply cap, what to install
+when a part is missing, and `kvproxy doctor` finding the server `make run` started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,9 +98,14 @@ def test_a_sidecar_whose_cache_dir_is_not_the_servers_does_not_start(
 
 @pytest.mark.real
 def test_a_sidecar_on_the_servers_dir_starts_and_leaves_no_probe(real_server: RealServer) -> None:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvproxy", "serve", "--upstream", real_server.url]
-    cmd += ["--cache-dir", str(real_server.cache_dir), "--port", str(port)]
+    with _kvproxy("--upstream", real_server.url, "--cache-dir", str(real_server.cache_dir)):
+        assert not [p for p in real_server.cache_dir.iterdir() if PROBE_MARK in p.name]
+
+
+@contextlib.contextmanager
+def _kvproxy(*args: str) -> Iterator[None]:
+    """`kvproxy serve ARGS` until its ready line, then as long as the block runs."""
+    cmd = [sys.executable, "-m", "kvproxy", "serve", *args, "--port", str(free_port())]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
@@ -104,7 +114,9 @@ def test_a_sidecar_on_the_servers_dir_starts_and_leaves_no_probe(real_server: Re
                 break
         else:
             raise AssertionError(f"kvproxy ended: {proc.wait()}")
-        assert not [p for p in real_server.cache_dir.iterdir() if PROBE_MARK in p.name]
+        # Drained meanwhile: a full pipe would stop kvproxy at its next log line.
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        yield
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -161,17 +173,8 @@ def test_an_example_without_the_openai_sdk_says_pip_install_openai(example: str)
 @pytest.mark.real
 def test_doctor_finds_the_server_make_run_started(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "kvproxy", "serve", "--model", "default", "--slots", "2"]
-    cmd += ["--cache-dir", str(cache), "--port", str(free_port())]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if "kvproxy ready" in line:
-                break
-        else:
-            raise AssertionError(f"kvproxy ended: {proc.wait()}")
-        doctor = [sys.executable, "-m", "kvproxy", "doctor", "--cache-dir", str(cache)]
+    doctor = [sys.executable, "-m", "kvproxy", "doctor", "--cache-dir", str(cache)]
+    with _kvproxy("--model", "default", "--slots", "2", "--cache-dir", str(cache)):
         run = subprocess.run(
             [*doctor, "--quick", "--json"], capture_output=True, text=True, timeout=120
         )
@@ -180,9 +183,6 @@ def test_doctor_finds_the_server_make_run_started(tmp_path: Path) -> None:
         assert checks["found"]["detail"].startswith("http://127.0.0.1:")
         assert checks["slot save path"]["status"] == "ok", checks
         assert run.returncode == 0, checks
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     # Once that kvproxy stopped (and its server with it), nothing is found, in one line.
     run = subprocess.run([*doctor, "--quick"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "no kvproxy started one on" in run.stdout

@@ -216,9 +216,8 @@ class Conversations:
         held.template = dict(conv.template)
         slot.hold(held, saved=False)
         slot.ours_ended(0, UNKNOWN_REPLY_TOKENS)
-        self.events.request(
-            _event(request, slot, conv, prepared, CLIENT_CLOSED, times, self.backend)
-        )
+        event = _event(request, slot, conv, prepared, CLIENT_CLOSED, times, self.backend)
+        self.events.request(event)
 
     def _record(
         self,
