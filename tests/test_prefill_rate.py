@@ -64,3 +64,17 @@ def test_a_hit_is_priced_at_the_cold_speed_not_at_its_own() -> None:
     assert again.prefill_saved_s == pytest.approx(11.98)
     assert "saved≈12.0s" in format_request(again)
     assert recent.snapshot()["last_hour"]["prefill_seconds_saved"] == pytest.approx(11.98)
+
+
+def test_kvproxys_own_evaluations_price_cached_tokens_too() -> None:
+    """A new conversation's opening is prefilled by kvproxy's own evaluation (to save it on
+    the way), so its reply prefills only a few tokens: that evaluation is the cold prefill."""
+    events = Events()
+    events.prefilled("m", {"cache_n": 0, "prompt_n": 4918, "prompt_ms": 49180.0})
+    events.prefilled("m", {"cache_n": 4900, "prompt_n": 300, "prompt_ms": 9000.0})  # not cold
+    events.prefilled("m", {})  # a reply without timings
+    hit = RequestEvent(CHAT, Decision.RESIDENT, 200, "k" * 16, cache_n=4941, prompt_n=32)
+    hit.prompt_ms = 800.0
+    hit.served_by = "m"
+    events.request(hit)
+    assert hit.prefill_saved_s == pytest.approx(49.41)

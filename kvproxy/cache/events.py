@@ -7,9 +7,10 @@ must not raise (an exception is logged and dropped so a listener bug never fails
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvproxy.cache.policy import Decision
 from kvproxy.cache.prefillrate import PrefillRates
@@ -106,6 +107,15 @@ class Events:
                 listener.on_request(event)
             except Exception:
                 log.exception("request listener %r failed", listener)
+
+    def prefilled(self, served_by: str, timings: Mapping[str, Any]) -> None:
+        """The timings of kvproxy's own evaluation (an opening, a canonical prefix): a cold
+        prefill there, such as a new conversation's system prompt, prices cached tokens."""
+        prompt_n, prompt_ms = timings.get("prompt_n"), timings.get("prompt_ms")
+        if isinstance(prompt_n, int) and isinstance(prompt_ms, int | float):
+            cache_n = timings.get("cache_n")
+            cached = cache_n if isinstance(cache_n, int) else None
+            self.rates.observe(served_by, cached, prompt_n, float(prompt_ms))
 
     def slot_action(self, event: SlotActionEvent) -> None:
         for listener in self.listeners:

@@ -74,10 +74,7 @@ class SlotWork:
             # A cancelled request may still be winding down; a slot action now would be
             # deferred by the server, which can hang later requests.
             if time.monotonic() > deadline:
-                raise UpstreamError(
-                    f"slot {slot.id} is still busy after {BUSY_WAIT_LIMIT:.0f} s (a cancelled "
-                    "request winding down)"
-                )
+                raise UpstreamError(f"slot {slot.id} still busy after {BUSY_WAIT_LIMIT:.0f} s")
             await asyncio.sleep(0.02)
         pending = slot.pending is not None
         if slot.holding is not None and not slot.shows_ours(info):
@@ -240,13 +237,8 @@ class SlotWork:
             return
         if not tokens:
             return
-        slot.mark_started()
-        try:
-            timings = await self.client.evaluate(slot.id, tokens)
-        except UpstreamError as exc:
-            log.warning("evaluating the canonical prefix on slot %d failed: %s", slot.id, exc)
-            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
-            await self.verify(slot)
+        timings = await self._evaluate(slot, tokens, "canonical prefix")
+        if timings is None:
             return
         if messages != holding.messages:
             chain = keys.chain(ns, messages)
@@ -270,13 +262,8 @@ class SlotWork:
         state of `holding`, and save it as an entry of its own (an opening, a stem). The
         tokens the server evaluated for it, or None when it was not saved."""
         started = time.perf_counter()
-        slot.mark_started()
-        try:
-            timings = await self.client.evaluate(slot.id, tokens)
-        except UpstreamError as exc:
-            log.warning("evaluating the %s on slot %d failed: %s", what, slot.id, exc)
-            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
-            await self.verify(slot)
+        timings = await self._evaluate(slot, tokens, what)
+        if timings is None:
             return None
         slot.hold(holding, saved=False)
         slot.evaluated(len(tokens))
@@ -294,6 +281,19 @@ class SlotWork:
         if not saved:
             return None
         return evaluated if isinstance(evaluated, int) and evaluated > 0 else 0
+
+    async def _evaluate(self, slot: Slot, tokens: list[int], what: str) -> dict[str, object] | None:
+        """kvproxy's own evaluation; its timings (a cold prefill) price cached tokens."""
+        slot.mark_started()
+        try:
+            timings = await self.client.evaluate(slot.id, tokens)
+        except UpstreamError as exc:
+            log.warning("evaluating the %s on slot %d failed: %s", what, slot.id, exc)
+            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
+            await self.verify(slot)
+            return None
+        self.events.prefilled(self.backend.name, timings)
+        return timings
 
     def _disk_error(self, message: str) -> None:
         if not self._disk_error_logged:
