@@ -8,6 +8,7 @@ import pytest
 from kvproxy.cache.events import Events, RequestEvent
 from kvproxy.cache.policy import Decision
 from kvproxy.cache.prefillrate import WINDOW, PrefillRates
+from kvproxy.cli.stats import render_stats
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import format_request
 
@@ -78,3 +79,10 @@ def test_kvproxys_own_evaluations_price_cached_tokens_too() -> None:
     hit.served_by = "m"
     events.request(hit)
     assert hit.prefill_saved_s == pytest.approx(49.41)
+
+
+def test_kvproxy_stats_shows_a_dash_before_an_estimate() -> None:
+    before = render_stats({"prefill_seconds_saved": None, "prefill_seconds": 1.5}, "u")
+    assert "saved ≈ —, spent 1.5 s" in before
+    after = render_stats({"prefill_seconds_saved": 12.34, "prefill_seconds": 1.5}, "u")
+    assert "saved ≈ 12.3 s, spent 1.5 s" in after
