@@ -17,7 +17,8 @@ import pytest
 from kvproxy.cli.flags import load_settings
 from kvproxy.config import Settings
 from kvproxy.server.managed import free_port, server_command
-from kvproxy.server.savepath import PROBE_MARK
+from kvproxy.server.savepath import PROBE_MARK, probe_name
+from kvproxy.store import Store
 
 from .conftest import RealServer, start_proxy
 from .fakeserver import FakeLlamaServer
@@ -186,3 +187,12 @@ def test_doctor_finds_the_server_make_run_started(tmp_path: Path) -> None:
     # Once that kvproxy stopped (and its server with it), nothing is found, in one line.
     run = subprocess.run([*doctor, "--quick"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "no kvproxy started one on" in run.stdout
+
+
+def test_a_probe_file_left_in_a_cache_dir_is_swept_at_start(tmp_path: Path) -> None:
+    """The probe a mismatched start left in the server's dir goes once kvproxy uses that dir
+    (`--cache-dir <its --slot-save-path>`, the fix it named)."""
+    left = tmp_path / probe_name()
+    left.write_bytes(b"a probe save")
+    Store(tmp_path, ttl=3600, max_bytes=0).open()
+    assert not left.exists()
