@@ -1,5 +1,6 @@
 """Two turns of one conversation through kvproxy, with the OpenAI Python SDK.
 
+    pip install openai                   # once: the OpenAI Python SDK
     kvproxy serve --model default        # in another terminal
     python examples/openai_chat.py
 
@@ -8,7 +9,10 @@ OPENAI_BASE_URL and OPENAI_API_KEY override the address and key, as for any Open
 
 import os
 
-from openai import OpenAI
+try:
+    from openai import OpenAI
+except ModuleNotFoundError:
+    raise SystemExit("This example uses the OpenAI Python SDK: pip install openai") from None
 
 # kvproxy speaks the OpenAI API: only the base URL changes. The key reaches llama-server only
 # if it runs with --api-key, but kvproxy keeps each key's conversations apart: keep it stable.

@@ -1,5 +1,6 @@
 """A streamed reply through kvproxy, with the OpenAI Python SDK.
 
+    pip install openai                   # once: the OpenAI Python SDK
     kvproxy serve --model default        # in another terminal
     python examples/openai_stream.py
 
@@ -9,7 +10,10 @@ the proxy feels the same as streaming from the server.
 
 import os
 
-from openai import OpenAI
+try:
+    from openai import OpenAI
+except ModuleNotFoundError:
+    raise SystemExit("This example uses the OpenAI Python SDK: pip install openai") from None
 
 client = OpenAI(
     base_url=os.environ.get("OPENAI_BASE_URL", "http://localhost:8081/v1"),

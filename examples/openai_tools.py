@@ -1,5 +1,6 @@
 """A tool-calling loop through kvproxy, with the OpenAI Python SDK.
 
+    pip install openai                   # once: the OpenAI Python SDK
     kvproxy serve --model default        # in another terminal
     python examples/openai_tools.py
 
@@ -14,7 +15,10 @@ import json
 import os
 from typing import Any
 
-from openai import OpenAI
+try:
+    from openai import OpenAI
+except ModuleNotFoundError:
+    raise SystemExit("This example uses the OpenAI Python SDK: pip install openai") from None
 
 # The tool list is part of every prompt. Send the same list, in the same order, every round:
 # a different list is a different prompt from its first token, and nothing can be reused.

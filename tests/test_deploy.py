@@ -300,6 +300,28 @@ def test_env_file_names_only_real_settings() -> None:
     assert named <= fields, f"not settings: {sorted(named - fields)}"
 
 
+def test_env_file_names_every_setting() -> None:
+    """A setting missing from the file is one an operator never hears of (#37)."""
+    named = set(re.findall(r"\bKVPROXY_[A-Z0-9_]+", env_file()))
+    fields = {f"KVPROXY_{name.upper()}" for name in Settings.model_fields}
+    assert fields <= named, f"settings kvproxy.env does not name: {sorted(fields - named)}"
+
+
+def test_env_file_comments_show_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`#KVPROXY_X=value` lines promise kvproxy's default: uncommented, nothing changes."""
+    for key in list(os.environ):
+        if key.startswith("KVPROXY_"):
+            monkeypatch.delenv(key)
+    default = Settings()
+    shown = re.findall(r"^#(KVPROXY_[A-Z0-9_]+)=(\S+)$", env_file(), re.MULTILINE)
+    assert len(shown) > 10
+    for key, value in shown:
+        with monkeypatch.context() as env:
+            env.setenv(key, value)
+            name = key.removeprefix("KVPROXY_").lower()
+            assert getattr(Settings(), name) == getattr(default, name), f"{key}={value}"
+
+
 def test_env_file_values_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("KVPROXY_"):

@@ -1,9 +1,15 @@
-"""A new user's first mistakes, caught at start in one line; managed mode's reply cap."""
+"""A new user's first hour (#37): mistakes caught at start in one line (flags of the other
+mode, a sidecar's cache dir not the server's), managed mode's reply cap, what to install
+when a part is missing, and `kvproxy doctor` finding the server `make run` started."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -15,9 +21,13 @@ from kvproxy.config import Settings
 from kvproxy.edge.app import build_app
 from kvproxy.edge.listen import listen, runner_options
 from kvproxy.server.managed import free_port, server_command
+from kvproxy.server.savepath import PROBE_MARK, probe_name
+from kvproxy.store import Store
 from kvproxy.wire import with_reply_cap
 
+from .conftest import RealServer, start_proxy
 from .fakeserver import FakeLlamaServer
+from .test_cache import chat, conv, settle
 
 
 def test_an_upstream_given_as_the_openai_base_url_is_the_server_address() -> None:
@@ -97,3 +107,132 @@ def test_serve_help_shows_defaults() -> None:
     ).stdout
     flat = " ".join(out.split())
     assert "default 8081" in flat and "default 2048" in flat
+
+
+def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvproxy", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.real
+def test_a_sidecar_whose_cache_dir_is_not_the_servers_does_not_start(
+    real_server: RealServer, tmp_path: Path
+) -> None:
+    mine = tmp_path / "elsewhere"
+    mine.mkdir(mode=0o700)
+    port = str(free_port())
+    run = _serve("--upstream", real_server.url, "--cache-dir", str(mine), "--port", port)
+    assert run.returncode != 0, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvproxy: llama-server at "), run.stderr
+    assert f"start llama-server with --slot-save-path {mine}" in last
+    assert "or pass --cache-dir <its --slot-save-path>" in last
+    # Its probe is what landed in the server's dir; nothing kvproxy wrote is in its own.
+    probes = [p.name for p in real_server.cache_dir.iterdir() if p.name.endswith(PROBE_MARK)]
+    assert len(probes) == 1 and probes[0] in last
+    assert not any(p.suffix == ".tmp" for p in mine.iterdir())
+
+
+@pytest.mark.real
+def test_a_sidecar_on_the_servers_dir_starts_and_leaves_no_probe(real_server: RealServer) -> None:
+    with _kvproxy("--upstream", real_server.url, "--cache-dir", str(real_server.cache_dir)):
+        assert not [p for p in real_server.cache_dir.iterdir() if PROBE_MARK in p.name]
+
+
+@contextlib.contextmanager
+def _kvproxy(*args: str) -> Iterator[None]:
+    """`kvproxy serve ARGS` until its ready line, then as long as the block runs."""
+    cmd = [sys.executable, "-m", "kvproxy", "serve", *args, "--port", str(free_port())]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "kvproxy ready" in line:
+                break
+        else:
+            raise AssertionError(f"kvproxy ended: {proc.wait()}")
+        # Drained meanwhile: a full pipe would stop kvproxy at its next log line.
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+async def test_a_save_found_in_another_dir_turns_saving_off(tmp_path: Path) -> None:
+    """A sidecar started before its server (not probed) whose dirs differ: its first save
+    says so and turns the disk cache off, not one temp file left in the server's dir a save."""
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    theirs.mkdir(mode=0o700)
+    mine.mkdir(mode=0o700)
+    fake = FakeLlamaServer(slot_save_path=theirs)  # 2 slots
+    await fake.start()
+    proxy = await start_proxy(fake.url, mine)
+    try:
+        for n in range(1, 9):  # every new conversation past the second saves a slot first
+            assert (await chat(proxy, conv(n)))[0] == 200
+            await settle(proxy)
+        left = [p.name for p in theirs.iterdir()]
+        # At most the saves already under way when the first found out (one a slot).
+        assert 1 <= len(left) <= 2 and all(name.endswith(".tmp") for name in left), left
+        assert proxy.stats()["disk_enabled"] is False
+    finally:
+        await proxy.stop()
+        await fake.stop()
+
+
+def _without(module: str, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run as a user would, with `module` not installed."""
+    hide = f"import sys; sys.modules[{module!r}] = None; "
+    return subprocess.run(
+        [sys.executable, "-c", hide + code], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("scenario", ["restore", "store"])
+def test_kvproxy_bench_without_the_benchmarks_says_how_to_install_them(scenario: str) -> None:
+    run = _without("kvproxy_bench", f"from kvproxy.cli import main; main(['bench', {scenario!r}])")
+    assert run.returncode == 1
+    message = run.stderr.strip()
+    assert "\n" not in message and message.endswith("pip install -e ./bench`"), message
+
+
+@pytest.mark.parametrize("example", ["openai_chat.py", "openai_stream.py", "openai_tools.py"])
+def test_an_example_without_the_openai_sdk_says_pip_install_openai(example: str) -> None:
+    path = Path(__file__).resolve().parent.parent / "examples" / example
+    assert "pip install openai" in path.read_text().split('"""')[1]  # its docstring says so
+    run = _without("openai", f"import runpy; runpy.run_path({str(path)!r}, run_name='__main__')")
+    assert run.returncode == 1
+    assert run.stderr.strip().endswith("pip install openai"), run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.real
+def test_doctor_finds_the_server_make_run_started(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    doctor = [sys.executable, "-m", "kvproxy", "doctor", "--cache-dir", str(cache)]
+    with _kvproxy("--model", "default", "--slots", "2", "--cache-dir", str(cache)):
+        run = subprocess.run(
+            [*doctor, "--quick", "--json"], capture_output=True, text=True, timeout=120
+        )
+        checks = {c["name"]: c for c in json.loads(run.stdout)}
+        assert checks["found"]["status"] == "ok", checks
+        assert checks["found"]["detail"].startswith("http://127.0.0.1:")
+        assert checks["slot save path"]["status"] == "ok", checks
+        assert run.returncode == 0, checks
+    # Once that kvproxy stopped (and its server with it), nothing is found, in one line.
+    run = subprocess.run([*doctor, "--quick"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "no kvproxy started one on" in run.stdout
+
+
+def test_a_probe_file_left_in_a_cache_dir_is_swept_at_start(tmp_path: Path) -> None:
+    """The probe a mismatched start left in the server's dir goes once kvproxy uses that dir
+    (`--cache-dir <its --slot-save-path>`, the fix it named)."""
+    left = tmp_path / probe_name()
+    left.write_bytes(b"a probe save")
+    Store(tmp_path, ttl=3600, max_bytes=0).open()
+    assert not left.exists()

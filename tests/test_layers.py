@@ -36,7 +36,13 @@ RANK = {
     "config": -1,
     "__main__": 7,
 }
-PURE = ("kvproxy.wire", "kvproxy.keys", "kvproxy.cache.policy", "kvproxy.cache.pressure")
+PURE = (
+    "kvproxy.wire",
+    "kvproxy.keys",
+    "kvproxy.cache.policy",
+    "kvproxy.cache.pressure",
+    "kvproxy.cache.prefillrate",
+)
 IO_MODULES = ("aiohttp", "asyncio", "sqlite3", "socket", "subprocess", "os", "pathlib", "shutil")
 OUTSIDE = ("kvproxy_bench", "kvproxy_fake")
 

@@ -126,6 +126,7 @@ def test_recent_requests_are_bounded_and_the_hour_slides() -> None:
                 cache_n=90,
                 prompt_n=10,
                 prompt_ms=20.0,
+                prefill_saved_s=0.18,
                 weak="the server reused less" if n == 0 else None,
             )
         )

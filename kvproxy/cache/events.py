@@ -7,11 +7,13 @@ must not raise (an exception is logged and dropped so a listener bug never fails
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvproxy.cache.policy import Decision
+from kvproxy.cache.prefillrate import PrefillRates
 
 log = logging.getLogger("kvproxy.events")
 
@@ -61,6 +63,11 @@ class RequestEvent:
     # and, when the server reused less than half of them, why.
     expected_n: int | None = None
     weak: str | None = None
+    # The server (and a router's model) that served it, whose cold prefills price its cached
+    # tokens; set even with one server (`backend` names it only among several).
+    served_by: str = ""
+    # Prefill time its cached tokens saved (set by `Events`; None: no cold prefill seen yet).
+    prefill_saved_s: float | None = None
 
 
 @dataclass
@@ -85,16 +92,30 @@ class Listener(Protocol):
 
 @dataclass
 class Events:
-    """Where the cache's parts report; metrics and the request log listen."""
+    """Where the cache's parts report; metrics and the request log listen. Prices each
+    request's cached tokens once, for all of them."""
 
     listeners: list[Listener] = field(default_factory=list)
+    rates: PrefillRates = field(default_factory=PrefillRates)
 
     def request(self, event: RequestEvent) -> None:
+        if event.prompt_n is not None and event.prompt_ms is not None:
+            self.rates.observe(event.served_by, event.cache_n, event.prompt_n, event.prompt_ms)
+        event.prefill_saved_s = self.rates.saved_s(event.served_by, event.cache_n, event.restore_ms)
         for listener in self.listeners:
             try:
                 listener.on_request(event)
             except Exception:
                 log.exception("request listener %r failed", listener)
+
+    def prefilled(self, served_by: str, timings: Mapping[str, Any]) -> None:
+        """The timings of kvproxy's own evaluation (an opening, a canonical prefix): a cold
+        prefill there, such as a new conversation's system prompt, prices cached tokens."""
+        prompt_n, prompt_ms = timings.get("prompt_n"), timings.get("prompt_ms")
+        if isinstance(prompt_n, int) and isinstance(prompt_ms, int | float):
+            cache_n = timings.get("cache_n")
+            cached = cache_n if isinstance(cache_n, int) else None
+            self.rates.observe(served_by, cached, prompt_n, float(prompt_ms))
 
     def slot_action(self, event: SlotActionEvent) -> None:
         for listener in self.listeners:

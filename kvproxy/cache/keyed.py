@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from kvproxy import keys
+from kvproxy.cache.backend import Backend
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
@@ -216,9 +217,8 @@ class Conversations:
         held.template = dict(conv.template)
         slot.hold(held, saved=False)
         slot.ours_ended(0, UNKNOWN_REPLY_TOKENS)
-        self.events.request(
-            _event(request, slot, conv, prepared, CLIENT_CLOSED, times, self.backend.label)
-        )
+        event = _event(request, slot, conv, prepared, CLIENT_CLOSED, times, self.backend)
+        self.events.request(event)
 
     def _record(
         self,
@@ -256,11 +256,12 @@ class Conversations:
         if prepared.decision is Decision.RESTORED:
             self._judge_restore(conv.namespace, prepared.expected_n, reply)
         timings = (reply.timings if reply is not None else None) or {}
-        event = _event(request, slot, conv, prepared, status, times, self.backend.label)
+        event = _event(request, slot, conv, prepared, status, times, self.backend)
         # What came from a cache: not the tokens kvproxy had evaluated on the way.
         event.cache_n = _less(_int_or_none(timings.get("cache_n")), prepared.evaluated)
         event.prompt_n = _int_or_none(timings.get("prompt_n"))
-        event.prompt_ms = _float_or_none(timings.get("prompt_ms"))
+        prompt_ms = timings.get("prompt_ms")
+        event.prompt_ms = float(prompt_ms) if isinstance(prompt_ms, int | float) else None
         verdict = judge_reuse(prepared.expected_n, event.cache_n, event.prompt_n)
         if verdict is RestoreVerdict.WASTED:
             held = slot.holding
@@ -368,7 +369,7 @@ def _event(
     prepared: Prepared,
     status: int,
     times: tuple[float, float],
-    backend: str | None,
+    backend: Backend,
 ) -> RequestEvent:
     """The request's report as far as what kvproxy did for it (the reply's numbers apart)."""
     started, queue_wait = times
@@ -378,13 +379,14 @@ def _event(
         status=status,
         key=conv.keys[-1],
         slot=slot.id,
-        backend=backend,
+        backend=backend.label,
         queue_wait_s=queue_wait,
         duration_s=time.perf_counter() - started,
         restored_tokens=prepared.restored_tokens,
         restore_ms=prepared.restore_ms,
         evaluated=prepared.evaluated,
         expected_n=prepared.expected_n,
+        served_by=backend.name,
     )
 
 
@@ -394,7 +396,3 @@ def _int_or_none(value: Any) -> int | None:
 
 def _less(value: int | None, minus: int) -> int | None:
     return None if value is None else max(0, value - minus)
-
-
-def _float_or_none(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) else None

@@ -74,10 +74,7 @@ class SlotWork:
             # A cancelled request may still be winding down; a slot action now would be
             # deferred by the server, which can hang later requests.
             if time.monotonic() > deadline:
-                raise UpstreamError(
-                    f"slot {slot.id} is still busy after {BUSY_WAIT_LIMIT:.0f} s (a cancelled "
-                    "request winding down)"
-                )
+                raise UpstreamError(f"slot {slot.id} still busy after {BUSY_WAIT_LIMIT:.0f} s")
             await asyncio.sleep(0.02)
         pending = slot.pending is not None
         if slot.holding is not None and not slot.shows_ours(info):
@@ -112,10 +109,7 @@ class SlotWork:
     # --- saving
 
     async def save(
-        self,
-        slot: Slot,
-        background: bool = False,
-        give_way: Callable[[], bool] | None = None,
+        self, slot: Slot, background: bool = False, give_way: Callable[[], bool] | None = None
     ) -> bool:
         """Save what the slot holds under its key. The slot must be ours and verified.
         `background`: no request waits for it (counted apart); it stops before each of its
@@ -130,10 +124,7 @@ class SlotWork:
         await self.under_way.done(keys)
 
     async def _save(
-        self,
-        slot: Slot,
-        background: bool,
-        give_way: Callable[[], bool] | None,
+        self, slot: Slot, background: bool, give_way: Callable[[], bool] | None
     ) -> bool:
 
         def stop() -> bool:
@@ -184,6 +175,10 @@ class SlotWork:
             else:
                 self._disk_error(f"save of slot {slot.id} failed: {exc}")
             return False
+        except FileNotFoundError as exc:  # saved into another dir: every save would leave one
+            await self._save_failed(started, temp)
+            self._no_slot_actions(f"{exc} in --cache-dir: its --slot-save-path is another dir")
+            return False
         except (OSError, ValueError, KeyError, TypeError) as exc:
             await self._save_failed(started, temp)
             self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
@@ -208,11 +203,12 @@ class SlotWork:
         await self.evict()
         return True
 
-    def _no_slot_actions(self) -> None:
+    def _no_slot_actions(self, why: str = "llama-server has no --slot-save-path") -> None:
         self.backend.refuses_slot_actions()
         log.warning(
-            "llama-server has no --slot-save-path: disk cache off (start it with "
-            "--slot-save-path %s)",
+            "%s: disk cache off (start llama-server with --slot-save-path %s, or pass "
+            "--cache-dir <its --slot-save-path>)",
+            why,
             self.settings.cache_dir,
         )
 
@@ -241,13 +237,8 @@ class SlotWork:
             return
         if not tokens:
             return
-        slot.mark_started()
-        try:
-            timings = await self.client.evaluate(slot.id, tokens)
-        except UpstreamError as exc:
-            log.warning("evaluating the canonical prefix on slot %d failed: %s", slot.id, exc)
-            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
-            await self.verify(slot)
+        timings = await self._evaluate(slot, tokens, "canonical prefix")
+        if timings is None:
             return
         if messages != holding.messages:
             chain = keys.chain(ns, messages)
@@ -271,13 +262,8 @@ class SlotWork:
         state of `holding`, and save it as an entry of its own (an opening, a stem). The
         tokens the server evaluated for it, or None when it was not saved."""
         started = time.perf_counter()
-        slot.mark_started()
-        try:
-            timings = await self.client.evaluate(slot.id, tokens)
-        except UpstreamError as exc:
-            log.warning("evaluating the %s on slot %d failed: %s", what, slot.id, exc)
-            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
-            await self.verify(slot)
+        timings = await self._evaluate(slot, tokens, what)
+        if timings is None:
             return None
         slot.hold(holding, saved=False)
         slot.evaluated(len(tokens))
@@ -295,6 +281,19 @@ class SlotWork:
         if not saved:
             return None
         return evaluated if isinstance(evaluated, int) and evaluated > 0 else 0
+
+    async def _evaluate(self, slot: Slot, tokens: list[int], what: str) -> dict[str, object] | None:
+        """kvproxy's own evaluation; its timings (a cold prefill) price cached tokens."""
+        slot.mark_started()
+        try:
+            timings = await self.client.evaluate(slot.id, tokens)
+        except UpstreamError as exc:
+            log.warning("evaluating the %s on slot %d failed: %s", what, slot.id, exc)
+            slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
+            await self.verify(slot)
+            return None
+        self.events.prefilled(self.backend.name, timings)
+        return timings
 
     def _disk_error(self, message: str) -> None:
         if not self._disk_error_logged:

@@ -157,7 +157,11 @@ async def serve(settings: Settings) -> int:
         )
         upstream_urls = fleet.urls
     elif settings.upstream_urls:
+        from kvproxy.server.savepath import refuse_foreign_save_paths
+
         upstream_urls = settings.upstream_urls
+        # Its first save would find the mismatch, leaving a temp file in the server's dir.
+        await refuse_foreign_save_paths(upstream_urls, settings.api_key, settings.cache_dir)
     else:
         raise SystemExit(
             "kvproxy: nothing to proxy: give --upstream URL (a running llama-server) "

@@ -179,11 +179,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run, server_args=[])
 
 
+# The benchmarks are a distribution of their own (bench/, not on PyPI), so no extra of
+# kvproxy's could install them: a wheel install gets this line instead of a traceback.
+NOT_INSTALLED = (
+    "kvproxy bench: the benchmarks are not installed (package kvproxy-bench, in kvproxy's "
+    "source tree): from a checkout, run `make install` or `pip install -e ./bench`"
+)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.scenario == "store":  # needs no model or llama-server: not bench.command's run
-        from kvproxy_bench.index_scale import main
+    try:
+        if args.scenario == "store":  # needs no model or llama-server: not bench.command's run
+            from kvproxy_bench.index_scale import main
 
-        return main(args)
-    from kvproxy_bench.command import run as run_bench  # the benchmarks load here, and only here
-
+            return main(args)
+        from kvproxy_bench.command import run as run_bench  # the benchmarks load here only
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "kvproxy_bench":
+            raise
+        raise SystemExit(NOT_INSTALLED) from None
     return run_bench(args)

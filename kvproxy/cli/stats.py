@@ -76,7 +76,7 @@ def render_stats(s: dict[str, Any], url: str) -> str:
         ["tokens", f"from cache {cached:,}{share}, prefilled {prefilled:,}"],
         [
             "prefill time",
-            f"saved ≈ {s.get('prefill_seconds_saved', 0):.1f} s, "
+            f"saved ≈ {_seconds(s.get('prefill_seconds_saved'))}, "
             f"spent {s.get('prefill_seconds', 0):.1f} s",
         ],
         [
@@ -132,3 +132,8 @@ def render_stats(s: dict[str, Any], url: str) -> str:
 def _fail(message: str, code: int = 1) -> int:
     print(f"kvproxy: {message}", file=sys.stderr)
     return code
+
+
+def _seconds(value: Any) -> str:
+    """A number of seconds, or "—" when there is none yet (no cold prefill measured)."""
+    return "—" if value is None else f"{value:.1f} s"

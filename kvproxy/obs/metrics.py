@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.cache.policy import Decision
 from kvproxy.obs.gauges import CacheCollector, Gauged
-from kvproxy.obs.requestlog import prefill_saved_s
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DECISIONS = tuple(d.value for d in Decision)
@@ -106,10 +105,12 @@ class Metrics:
         )
         self.prefill_saved = Counter(
             "kvproxy_prefill_seconds_saved",
-            "Estimated prefill time saved: per reply, cache_n x prompt_ms / prompt_n, i.e. the "
-            "cached tokens at that reply's own prefill speed (replies with prompt_n > 0 only).",
+            "Estimated prefill time saved: per reply, its cached tokens at the server's "
+            "measured cold-prefill speed (recent replies that prefilled >= 256 tokens with "
+            "little cache), less the time spent restoring them.",
             registry=r,
         )
+        self.priced = 0  # replies the counter above priced (none before a cold prefill)
         self.miss_explained = Counter(
             "kvproxy_miss_explained",
             "Misses although a known conversation of the same namespace shared their "
@@ -181,9 +182,9 @@ class Metrics:
             self.tokens_prefilled.inc(event.prompt_n)
         if event.prompt_ms is not None:
             self.prefill_seconds.inc(event.prompt_ms / 1000)
-        saved = prefill_saved_s(event)
-        if saved is not None:
-            self.prefill_saved.inc(saved)
+        if event.prefill_saved_s is not None:
+            self.prefill_saved.inc(event.prefill_saved_s)
+            self.priced += 1
         if event.miss is not None:
             source = "slot" if event.miss.where.startswith("slot") else "disk"
             self.miss_explained.labels(source).inc()
@@ -251,7 +252,8 @@ class Metrics:
             "cache_n": cached,
             "prompt_n": prefilled,
             "prefill_seconds": _total(self.prefill_seconds),
-            "prefill_seconds_saved": _total(self.prefill_saved),
+            # None until a cold prefill priced a cached token (an estimate, not a guess).
+            "prefill_seconds_saved": _total(self.prefill_saved) if self.priced else None,
             "miss_explained": int(sum(v for _, v in _values(self.miss_explained, "_total"))),
             "weak_hits": int(_total(self.weak_hits)),
             "evictions": int(_total(self.counts[Count.EVICTION])),

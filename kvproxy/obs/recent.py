@@ -16,7 +16,6 @@ from typing import Any
 from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.cache.explain import describe
 from kvproxy.cache.policy import Decision
-from kvproxy.obs.requestlog import prefill_saved_s
 
 RECENT_REQUESTS = 20
 RECENT_REASONS = 10
@@ -33,6 +32,7 @@ class _Minute:
     tokens_cached: int = 0
     tokens_prefilled: int = 0
     saved_s: float = 0.0
+    priced: int = 0  # requests whose cached tokens had a price (a cold prefill seen)
 
 
 class Recent:
@@ -46,7 +46,7 @@ class Recent:
 
     def on_request(self, event: RequestEvent) -> None:
         now = self.clock()
-        saved = prefill_saved_s(event)
+        saved = event.prefill_saved_s
         self.requests.append(
             {
                 "at": now,
@@ -75,7 +75,9 @@ class Recent:
         minute.hits += event.decision in HITS
         minute.tokens_cached += event.cache_n or 0
         minute.tokens_prefilled += event.prompt_n or 0
-        minute.saved_s += saved or 0.0
+        if saved is not None:
+            minute.saved_s += saved
+            minute.priced += 1
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
         del event
@@ -108,6 +110,9 @@ class Recent:
                 "tokens_cached": cached,
                 "tokens_prefilled": prefilled,
                 "cached_share": cached / (cached + prefilled) if cached + prefilled else None,
-                "prefill_seconds_saved": round(sum(m.saved_s for m in hour), 3),
+                # None (the page shows "—") until a cold prefill priced a cached token.
+                "prefill_seconds_saved": round(sum(m.saved_s for m in hour), 3)
+                if any(m.priced for m in hour)
+                else None,
             },
         }

@@ -25,14 +25,6 @@ log = logging.getLogger("kvproxy.request")
 CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
 
 
-def prefill_saved_s(event: RequestEvent) -> float | None:
-    """Estimated prefill time the cache saved: cache_n at this reply's own prefill speed
-    (prompt_ms / prompt_n). None when the reply did not say (no timings, nothing prefilled)."""
-    if event.cache_n is None or not event.prompt_n or event.prompt_ms is None:
-        return None
-    return event.cache_n * event.prompt_ms / event.prompt_n / 1000
-
-
 class RequestLog:
     """A cache listener that logs each request on `kvproxy.request` at INFO."""
 
@@ -67,7 +59,7 @@ class RequestLog:
 
 
 def request_fields(event: RequestEvent) -> dict[str, Any]:
-    saved = prefill_saved_s(event)
+    saved = event.prefill_saved_s
     fields: dict[str, Any] = {
         "event": "request",
         "route": event.route,

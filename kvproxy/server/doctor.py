@@ -23,8 +23,10 @@ from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
 from kvproxy.server.findlocal import NOT_FOUND, local_server
+from kvproxy.server.leftover import managed_urls
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 from kvproxy.server.router import is_router
+from kvproxy.server.savepath import probe_check, probe_save_path
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -199,41 +201,10 @@ class Doctor:
             self.add("cache dir", "ok", f"{self.cache_dir}: private, {_gib(free)} free")
 
     async def check_save_path(self) -> None:
-        slot = self._idle_slot()
-        if slot is None:
-            self.add("slot save path", "warn", "every slot is busy: not probed; rerun later")
-            return
-        name = f"{secrets.token_hex(16)}.doctor.tmp"
-        try:
-            saved = await self.llama.save(slot, name, timeout=60)
-        except UpstreamError as exc:
-            if exc.status == 501:
-                self.add(
-                    "slot save path",
-                    "fail",
-                    "slot save/restore is off in llama-server",
-                    f"start llama-server with --slot-save-path {self.cache_dir}",
-                )
-            else:
-                self.add("slot save path", "fail", f"a probe save failed: {exc}")
-            raise Stop from None
-        probe = self.cache_dir / name
-        landed = await asyncio.to_thread(probe.exists)
-        await asyncio.to_thread(_unlink, probe)
-        if not landed:
-            self.add(
-                "slot save path",
-                "fail",
-                f"llama-server saves slots somewhere else than {self.cache_dir}",
-                f"start llama-server with --slot-save-path {self.cache_dir} "
-                "(the same dir as kvproxy's --cache-dir)",
-            )
+        status, detail, fix = probe_check(await probe_save_path(self.llama, self.cache_dir))
+        self.add("slot save path", status, detail, fix)
+        if status == "fail":
             raise Stop
-        self.add(
-            "slot save path",
-            "ok",
-            f"a probe save landed in {self.cache_dir} ({saved.n_written} bytes)",
-        )
 
     async def check_idle_wipe(self) -> None:
         idle = [s.id for s in self.slots if not s.is_processing]
@@ -354,18 +325,25 @@ def render(checks: list[Check]) -> str:
 async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:
     """Every check on every server (--upstream given several times: each one's checks are
     named with its address, and one more says whether they serve each other's conversations)."""
-    urls = settings.upstream_urls or await local_server()  # none given: port 8080 or 9931
+    urls, found = settings.upstream_urls, []
+    if not urls:  # none given: those a kvproxy started on this cache dir, else port 8080/9931
+        urls = await asyncio.to_thread(managed_urls, settings.cache_dir)
+        where = f"{', '.join(urls)}: started by kvproxy on {settings.cache_dir}"
+        found = [Check("found", "ok", where)] if urls else []
+        urls = urls or await local_server()
     if not urls:
-        return [Check("server", "fail", *NOT_FOUND)]
+        why, fix = NOT_FOUND
+        where = f"{why}, and no kvproxy started one on {settings.cache_dir}"
+        return [Check("server", "fail", where, fix)]
     doctors = [await _examine(settings, url, quick) for url in urls]
     if len(doctors) == 1:
-        return doctors[0].checks
+        return [*found, *doctors[0].checks]
     checks = [
         replace(c, name=f"{c.name} [{url.split('://', 1)[-1]}]")
         for url, doctor in zip(urls, doctors, strict=True)
         for c in doctor.checks
     ]
-    return [*checks, same_model(urls, [d.props for d in doctors])]
+    return [*found, *checks, same_model(urls, [d.props for d in doctors])]
 
 
 async def _examine(settings: Settings, url: str, quick: bool) -> Doctor:

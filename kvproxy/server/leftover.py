@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvproxy.server.router import flag_value
 from kvproxy.store import dirfiles
 
 log = logging.getLogger("kvproxy.managed")
@@ -102,6 +103,20 @@ def recorded(data: Any) -> list[Started]:
     if not isinstance(items, list):
         return []
     return [s for s in map(Started.from_json, items) if s is not None]
+
+
+def managed_urls(root: Path) -> list[str]:
+    """Where the llama-servers a kvproxy started on this cache dir listen, those still
+    running exactly as started (`kvproxy doctor` without --upstream finds `make run`'s)."""
+    urls = []
+    for started in recorded(dirfiles.read(root, dirfiles.SERVER)):
+        now = running(started.pid)
+        port = flag_value(started.command, ("--port",))
+        if now is None or now.command != started.command or port is None:
+            continue
+        host = flag_value(started.command, ("--host",)) or "127.0.0.1"
+        urls.append(f"http://{'[' + host + ']' if ':' in host else host}:{port}")
+    return urls
 
 
 def forget(root: Path) -> None:
