@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from kvproxy.store import DB_NAME
+from kvproxy.store.salt import SALT_NAME
 
 from .conftest import Maker, start_proxy
 from .test_cache import chat, conv, settle
@@ -75,8 +76,9 @@ async def test_cache_dir_and_files_are_private(make: Maker) -> None:
     files = list(root.iterdir())
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     assert (root / DB_NAME).exists()  # the index, private like the rest
-    for p in files:  # names come from hashes only (but the index's own)
-        if p.name.startswith(DB_NAME):
+    assert (root / SALT_NAME).exists()  # the tenant salt, private too
+    for p in files:  # names come from hashes only (but the index's and the salt)
+        if p.name.startswith(DB_NAME) or p.name == SALT_NAME:
             continue
         stem = p.name.split(".")[0]
         assert len(stem) == 32 and all(ch in "0123456789abcdef" for ch in stem)
@@ -174,8 +176,10 @@ async def test_client_api_keys_are_read_as_the_server_reads_them(make: Maker) ->
 def test_an_x_api_key_names_the_same_tenant_as_its_bearer_token() -> None:
     from kvproxy.keys import tenant_of
 
-    assert tenant_of({"X-Api-Key": "k1"}, None) == tenant_of({"Authorization": "Bearer k1"}, None)
-    assert tenant_of({"X-Api-Key": "k1"}, None) not in (None, tenant_of({"X-Api-Key": "k2"}, None))
+    salt = bytes(range(32))
+    as_bearer = tenant_of({"Authorization": "Bearer k1"}, None, salt)
+    assert tenant_of({"X-Api-Key": "k1"}, None, salt) == as_bearer
+    assert as_bearer not in (None, tenant_of({"X-Api-Key": "k2"}, None, salt))
 
 
 async def test_cors_preflight_and_the_ui_root_need_no_key(make: Maker) -> None:

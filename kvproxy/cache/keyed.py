@@ -98,7 +98,9 @@ class Conversations:
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, Any]
     ) -> Conversation | NotKeyed:
         """The request as a conversation of this server's model (its namespace)."""
-        tenant = keys.tenant_of(request.headers, self.settings.tenant_header)
+        tenant = keys.tenant_of(
+            request.headers, self.settings.tenant_header, self.store.tenant_salt
+        )
         return adapter.read(payload, self.backend.model_identity, tenant)
 
     async def serve(

@@ -60,7 +60,9 @@ class Unkeyed:
             request.path,
             payload,
             self.backend.model_identity,
-            keys.tenant_of(request.headers, self.settings.tenant_header),
+            keys.tenant_of(
+                request.headers, self.settings.tenant_header, self.work.store.tenant_salt
+            ),
         )
         if isinstance(conv, Conversation):
             return await self.prompts.serve(request, path_qs, conv)
@@ -137,7 +139,9 @@ class Unkeyed:
     async def _admit(self, slots: list[Slot], request: web.Request) -> bool:
         """Erase those of `slots` that may hold another tenant's tokens; False if one could
         not be erased (the request must not go)."""
-        tenant = keys.tenant_of(request.headers, self.work.settings.tenant_header)
+        tenant = keys.tenant_of(
+            request.headers, self.work.settings.tenant_header, self.work.store.tenant_salt
+        )
         try:
             for slot in slots:
                 await self.work.admit(slot, tenant)
