@@ -70,7 +70,7 @@ def no_prompt_cache(settings: Settings, extra: list[str]) -> list[str]:
     reuses and loads the closest one into any slot for any request (server_prompt_cache::
     load), so a tenant's `cache_n` would tell how much of another's prompt it sent, however
     kvproxy clears its slots. kvproxy's disk cache does that cache's work, per tenant."""
-    if not (settings.client_api_keys or settings.tenant_header):
+    if not settings.tenants:
         return extra
     given = [a for a in extra if a in ("--cache-ram", "-cram") or a.startswith("--cache-ram=")]
     if given:
