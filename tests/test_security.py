@@ -14,7 +14,7 @@ import pytest
 from kvproxy.store import DB_NAME
 from kvproxy.store.salt import SALT_NAME
 
-from .conftest import Maker, start_proxy
+from .conftest import NOT_ENTRIES, Maker, start_proxy
 from .test_cache import chat, conv, settle
 
 
@@ -78,7 +78,7 @@ async def test_cache_dir_and_files_are_private(make: Maker) -> None:
     assert (root / DB_NAME).exists()  # the index, private like the rest
     assert (root / SALT_NAME).exists()  # the tenant salt, private too
     for p in files:  # names come from hashes only (but the index's and the salt)
-        if p.name.startswith(DB_NAME) or p.name == SALT_NAME:
+        if p.name.startswith(NOT_ENTRIES):
             continue
         stem = p.name.split(".")[0]
         assert len(stem) == 32 and all(ch in "0123456789abcdef" for ch in stem)
