@@ -158,6 +158,14 @@ def test_recent_requests_are_bounded_and_the_hour_slides() -> None:
     snap = recent.snapshot()
     assert len(snap["recent"]) == RECENT_REQUESTS and snap["recent"][0]["decision"] == "bypass"
     assert [r["kind"] for r in snap["reasons"]] == ["weak hit", "miss"]
+    assert snap["reasons"][1]["why"] == 'diverged from disk at message 1, char 4: "abc" vs "abd"'
+    quiet = Recent(excerpts=False)  # clients are tenants: where, never what
+    quiet.on_request(RequestEvent("/v1/chat/completions", Decision.MISS, 200, "k" * 16, miss=miss))
+    weak = RequestEvent("/v1/chat/completions", Decision.RESIDENT, 200, "k" * 16, weak=miss)
+    quiet.on_request(weak)
+    assert [r["why"] for r in quiet.snapshot()["reasons"]] == 2 * [
+        "diverged from disk at message 1, char 4"
+    ]
     hour = snap["last_hour"]
     assert hour["requests"] == RECENT_REQUESTS + 6 and hour["hits"] == RECENT_REQUESTS + 5
     assert hour["cached_share"] == 0.9
