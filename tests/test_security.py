@@ -226,3 +226,24 @@ async def test_admin_routes_need_the_admin_token_whenever_client_keys_are_set(
         s.get(keyed_only.url + "/kvproxy/stats", headers={"Authorization": "Bearer alice"}) as r,
     ):
         assert r.status == 401 and "--admin-token" in (await r.json())["error"]["message"]
+
+
+async def test_admin_routes_behind_an_allowed_host_need_the_admin_token(make: Maker) -> None:
+    """A name of --allowed-hosts is a reverse proxy or a LAN name: anyone may come through
+    it, so kvproxy's own routes (the status page quotes prompts) need the token there; a
+    loopback name still does not."""
+    _, proxy = await make(allowed_hosts="llm.example.org", admin_token="root")
+    async with aiohttp.ClientSession() as s:
+        for path in ("/kvproxy/status.json", "/kvproxy/stats", "/kvproxy/", "/metrics"):
+            outside = {"Host": "llm.example.org"}
+            async with s.get(proxy.url + path, headers=outside) as r:
+                assert r.status == 401, path
+            async with s.get(proxy.url + path, headers={**outside, **ROOT}) as r:
+                assert r.status == 200, path
+            async with s.get(proxy.url + path, headers={"Host": "localhost"}) as r:
+                assert r.status == 200, path
+        async with s.get(proxy.url + "/v1/models", headers={"Host": "llm.example.org"}) as r:
+            assert r.status == 200  # the API itself, as before
+
+
+ROOT = {"Authorization": "Bearer root"}
