@@ -304,6 +304,11 @@ class Settings(BaseSettings):
         return [h.strip() for h in self.host.split(",") if h.strip()]
 
     @property
+    def tenants(self) -> bool:
+        """Clients are tenants to keep apart: several API keys, or a header naming them."""
+        return bool(self.client_api_keys or self.tenant_header)
+
+    @property
     def loopback(self) -> bool:
         """Every address listened on is a loopback one."""
         return all(

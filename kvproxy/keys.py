@@ -158,9 +158,11 @@ def extend(prev_key: str, message: Mapping[str, Any]) -> str:
     return _hash(prev_key.encode(), b"\0", message_bytes(message))
 
 
-def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str | None:
+def tenant_of(headers: Mapping[str, str], tenant_header: str | None, salt: bytes) -> str | None:
     """A hash of who is asking: the configured header, else the client's API key as
-    llama-server reads it (`Authorization`, else `X-Api-Key` as the same bearer token)."""
+    llama-server reads it (`Authorization`, else `X-Api-Key` as the same bearer token).
+    Salted with the install's secret (store/salt.py): who knows a key cannot find its
+    tenant's files or rows by hashing it."""
     if tenant_header:
         raw = headers.get(tenant_header)
     else:
@@ -168,7 +170,7 @@ def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str | No
         raw = headers.get("Authorization") or (f"Bearer {api_key}" if api_key else None)
     if not raw:
         return None
-    return _hash(b"kvproxy-tenant\0", header_bytes(raw))
+    return _hash(b"kvproxy-tenant-v2\0", salt, b"\0", header_bytes(raw))
 
 
 def header_bytes(value: str) -> bytes:

@@ -29,10 +29,14 @@ from kvproxy.server.managed import (
     resolve_model,
     server_command,
 )
-from kvproxy.store import IndexDB
+from kvproxy.store import DB_NAME, IndexDB
+from kvproxy.store.salt import SALT_NAME
 
 from .fakeserver import FakeLlamaServer
 from .ggufmodels import model_files
+
+# kvproxy's own files in a cache dir, beside the entries: the index (and its WAL), the salt.
+NOT_ENTRIES = (DB_NAME, SALT_NAME)
 
 
 @dataclass

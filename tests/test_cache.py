@@ -14,9 +14,7 @@ import pytest
 from aiohttp import web
 from kvproxy_fake.model import default_reply, render_chat
 
-from kvproxy.store import DB_NAME
-
-from .conftest import Maker, RunningProxy, committed, start_proxy
+from .conftest import NOT_ENTRIES, Maker, RunningProxy, committed, start_proxy
 from .fakeserver import FakeLlamaServer
 
 
@@ -236,7 +234,7 @@ async def test_checkpoint_sidecars_live_and_die_with_their_entry(make: Maker) ->
     assert first.key not in proxy.cache.store.entries
     assert not list(root.glob(f"{first.key}*"))
     assert 0 < proxy.cache.store.total_bytes <= budget
-    on_disk = sum(p.stat().st_size for p in root.iterdir() if not p.name.startswith(DB_NAME))
+    on_disk = sum(p.stat().st_size for p in root.iterdir() if not p.name.startswith(NOT_ENTRIES))
     assert on_disk == proxy.cache.store.total_bytes
 
 

@@ -5,12 +5,16 @@ another tenant's tokens is erased before the request goes, so the server cannot 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from kvproxy_fake.model import render_chat
 from kvproxy_fake.server import FakeLlamaServer
 
-from .conftest import Maker, start_proxy
+from kvproxy.config import Settings
+from kvproxy.server.launch import managed_command
+
+from .conftest import Maker, bundled_model, start_proxy
 from .test_cache import chat, conv, settle
 
 ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
@@ -107,20 +111,45 @@ async def test_a_state_restored_into_a_slot_no_task_ran_on_is_not_taken_for_empt
         await again_fake.stop()
 
 
-async def test_a_server_without_slot_actions_serves_every_tenant_as_it_would_alone(
+async def test_a_server_without_slot_actions_tells_no_tenant_what_another_sent(
     tmp_path: Path,
 ) -> None:
     """No --slot-save-path: the server refuses slot actions, erase included (501). kvproxy
-    cannot erase, so it forwards as the server alone would serve, never an error."""
-    fake = FakeLlamaServer(slot_save_path=None)
+    clears the slot by evaluating a prompt of its own there: no tenant's `cache_n` counts
+    another's tokens, and nobody gets an error."""
+    fake = FakeLlamaServer(slot_save_path=None, n_slots=1)
     await fake.start()
     proxy = await start_proxy(fake.url, tmp_path)
     try:
-        for headers in (ALICE, BOB, ALICE, {"Authorization": "Bearer carol"}):
+        carol = {"Authorization": "Bearer carol"}
+        for headers in (ALICE, BOB, ALICE, carol):
             status, body, _ = await chat(proxy, conv(1), headers=headers)
             assert status == 200, body
             assert body["choices"][0]["message"]["content"]
+            assert body["timings"]["cache_n"] <= 2  # the BOS token kvproxy's prompt starts with
+        status, body, _ = await chat(proxy, conv(1), headers=carol)  # a tenant alone
+        assert body["timings"]["cache_n"] > 100
         assert not any(a[0] == "erase" and a[-1] for a in fake.actions)
     finally:
         await proxy.stop()
         await fake.stop()
+
+
+async def test_managed_mode_turns_the_servers_ram_prompt_cache_off_for_tenants(
+    tmp_path: Path,
+) -> None:
+    """The server's RAM prompt cache loads the closest prompt any slot held into any slot:
+    with tenants, managed mode starts it with `--cache-ram 0` (a flag of the user's wins)."""
+
+    async def command(**opts: Any) -> list[str]:
+        settings = Settings(model=str(bundled_model()), cache_dir=tmp_path, **opts)
+        return (await managed_command(settings, Path("/bin/llama-server"), 9000)).command
+
+    def cache_ram(cmd: list[str]) -> list[str]:
+        return [cmd[i + 1] for i, a in enumerate(cmd) if a == "--cache-ram"]
+
+    assert cache_ram(await command()) == []
+    assert cache_ram(await command(client_api_keys="k1,k2")) == ["0"]
+    assert cache_ram(await command(tenant_header="X-Team")) == ["0"]
+    given = await command(client_api_keys="k1", server_args=["--cache-ram", "512"])
+    assert cache_ram(given) == ["512"]

@@ -44,7 +44,15 @@ def test_a_good_setup_passes(real_server: RealServer, capsys: pytest.CaptureFixt
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    for name in ("server", "API key", "model class", "slots", "slot save path", "restore reuse"):
+    for name in (
+        "server",
+        "API key",
+        "model class",
+        "slots",
+        "slot save path",
+        "restore reuse",
+        "RAM prompt cache",  # the session's server runs with --cache-ram 0
+    ):
         assert any(line.startswith(name) and " ok " in line for line in out.splitlines()), out
     assert "gemma3: swa (sliding window 512); a restore is reused only with" in out
     assert not list(real_server.cache_dir.glob("*.doctor.tmp"))  # the probes cleaned up
@@ -63,6 +71,22 @@ def test_swa_without_swa_full_fails_with_the_fix(
     reuse = checks["restore reuse"]
     assert reuse["status"] == "fail" and "--swa-full" in reuse["fix"]
     assert checks["slot save path"]["status"] == "ok"
+
+
+@pytest.mark.real
+def test_the_servers_ram_prompt_cache_is_found_and_named(
+    cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llama-server's default `--cache-ram` hands one slot's old prompt to any other request:
+    with tenants, an oracle of each other's prompts. /props does not show it; the probe does."""
+    server = start_real_server(cache_dir, extra=("--swa-full",))
+    try:
+        code, checks = doctor_json(capsys, "--upstream", server.url, "--cache-dir", str(cache_dir))
+    finally:
+        server.stop()
+    found = checks["RAM prompt cache"]
+    assert found["status"] == "warn" and "--cache-ram 0" in found["fix"], found
+    assert code == 0  # a warning: one tenant alone loses nothing to it
 
 
 @pytest.mark.real

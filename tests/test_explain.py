@@ -16,7 +16,7 @@ from kvproxy import keys
 from kvproxy.cache.explain import MARK, excerpt, explain_miss
 from kvproxy.store import DB_NAME, Entry, Store
 
-from .conftest import Maker, RunningProxy, start_proxy
+from .conftest import NOT_ENTRIES, Maker, RunningProxy, start_proxy
 from .test_cache import chat, settle
 from .test_store import NS, state_bytes
 
@@ -219,7 +219,7 @@ def test_text_is_kept_beside_the_state(tmp_path: Path) -> None:
     assert again.files.read_messages(entry.key) == messages
     assert again.total_bytes == store.total_bytes
     again.remove(entry.key)
-    assert [p for p in tmp_path.iterdir() if not p.name.startswith(DB_NAME)] == []
+    assert [p for p in tmp_path.iterdir() if not p.name.startswith(NOT_ENTRIES)] == []
 
 
 def test_older_index_records_and_stray_text_files(tmp_path: Path) -> None:

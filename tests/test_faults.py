@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 
 from kvproxy.server.managed import free_port
-from kvproxy.store import DB_NAME, IndexDB
+from kvproxy.store import IndexDB
 
-from .conftest import Maker, start_proxy
+from .conftest import NOT_ENTRIES, Maker, start_proxy
 from .fakeserver import FakeLlamaServer
 from .test_cache import chat, conv, settle, then
 
@@ -35,7 +35,7 @@ def rows(cache: Path) -> set[str]:
 
 def files(cache: Path) -> list[str]:
     """The cache dir's files but the index's own."""
-    return sorted(p.name for p in cache.iterdir() if not p.name.startswith(DB_NAME))
+    return sorted(p.name for p in cache.iterdir() if not p.name.startswith(NOT_ENTRIES))
 
 
 async def test_full_disk_commits_nothing_and_keeps_serving(

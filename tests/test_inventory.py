@@ -15,9 +15,9 @@ from kvproxy import keys
 from kvproxy.cli import main
 from kvproxy.cli.display import human_age, human_bytes
 from kvproxy.server.managed import free_port
-from kvproxy.store import DB_NAME, Entry, Store
+from kvproxy.store import Entry, Store
 
-from .conftest import Maker, RunningProxy, start_proxy
+from .conftest import NOT_ENTRIES, Maker, RunningProxy, start_proxy
 from .test_cache import actions, chat, conv, settle, then
 from .test_store import state_bytes
 
@@ -52,7 +52,7 @@ def commit(store: Store, key: str, size: int = 1000, last_used: float | None = N
 
 def names(root: Path) -> set[str]:
     """The cache dir's files but the index's own."""
-    return {p.name for p in root.iterdir() if not p.name.startswith(DB_NAME)}
+    return {p.name for p in root.iterdir() if not p.name.startswith(NOT_ENTRIES)}
 
 
 async def test_ls_lists_what_the_proxy_saved(

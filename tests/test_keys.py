@@ -20,6 +20,7 @@ def chain(
 
 SYSTEM = {"role": "system", "content": "You are helpful."}
 USER = {"role": "user", "content": "Hello"}
+SALT = bytes(range(32))
 
 
 def test_every_message_boundary_has_a_prefix_key() -> None:
@@ -99,13 +100,20 @@ def test_one_character_changes_the_key_from_there_on() -> None:
 
 
 def test_tenant_comes_from_header_or_bearer() -> None:
-    assert keys.tenant_of({}, None) is None
-    a = keys.tenant_of({"Authorization": "Bearer a"}, None)
-    b = keys.tenant_of({"Authorization": "Bearer b"}, None)
+    assert keys.tenant_of({}, None, SALT) is None
+    a = keys.tenant_of({"Authorization": "Bearer a"}, None, SALT)
+    b = keys.tenant_of({"Authorization": "Bearer b"}, None, SALT)
     assert a and b and a != b
-    assert keys.tenant_of({"X-Team": "red"}, "X-Team") != keys.tenant_of(
-        {"X-Team": "blue"}, "X-Team"
+    assert keys.tenant_of({"X-Team": "red"}, "X-Team", SALT) != keys.tenant_of(
+        {"X-Team": "blue"}, "X-Team", SALT
     )
+
+
+def test_a_tenants_hash_depends_on_the_installs_salt() -> None:
+    """Who knows a client's key cannot tell its tenant's hash without the salt."""
+    here = keys.tenant_of({"Authorization": "Bearer k"}, None, SALT)
+    there = keys.tenant_of({"Authorization": "Bearer k"}, None, bytes(32))
+    assert here and there and here != there
 
 
 @pytest.mark.parametrize(
@@ -154,7 +162,10 @@ def test_keys_are_the_ones_every_cache_on_disk_was_filed_under() -> None:
         "82ba6491259e7faf23b3a5c4b9682e4e",
     ]
     assert keys.extend(ns, messages[0]) == "01cdc366bcffc59d9562284d62ad9a27"
-    assert keys.tenant_of({"Authorization": "Bearer k"}, None) == "205c7718dbab340927584640d1251e6f"
+    assert (
+        keys.tenant_of({"Authorization": "Bearer k"}, None, SALT)
+        == "1181312739579c080873a7a3548fe4bb"
+    )
     assert keys.stem(ns, "system", "You are") == "439ece7cc1abd73312b56b6f4ba902d9"
 
 

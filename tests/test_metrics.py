@@ -11,9 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy.obs.metrics import quantile
-from kvproxy.store import DB_NAME
 
-from .conftest import Maker, RunningProxy, start_proxy
+from .conftest import NOT_ENTRIES, Maker, RunningProxy, start_proxy
 from .test_cache import actions, chat, conv, settle, then
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -112,7 +111,8 @@ async def test_metrics_match_what_happened(make: Maker) -> None:
     assert total(s_, "kvproxy_queue_wait_seconds_count") == 5
 
     store = proxy.cache.store
-    on_disk = sum(p.stat().st_size for p in store.root.iterdir() if not p.name.startswith(DB_NAME))
+    entries = [p for p in store.root.iterdir() if not p.name.startswith(NOT_ENTRIES)]
+    on_disk = sum(p.stat().st_size for p in entries)
     assert total(s_, "kvproxy_cache_entries") == len(store.entries) >= 1
     assert total(s_, "kvproxy_cache_bytes") == store.total_bytes == on_disk
     assert total(s_, "kvproxy_queue_depth") == 0

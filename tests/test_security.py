@@ -12,8 +12,9 @@ import aiohttp
 import pytest
 
 from kvproxy.store import DB_NAME
+from kvproxy.store.salt import SALT_NAME
 
-from .conftest import Maker, start_proxy
+from .conftest import NOT_ENTRIES, Maker, start_proxy
 from .test_cache import chat, conv, settle
 
 
@@ -75,8 +76,9 @@ async def test_cache_dir_and_files_are_private(make: Maker) -> None:
     files = list(root.iterdir())
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     assert (root / DB_NAME).exists()  # the index, private like the rest
-    for p in files:  # names come from hashes only (but the index's own)
-        if p.name.startswith(DB_NAME):
+    assert (root / SALT_NAME).exists()  # the tenant salt, private too
+    for p in files:  # names come from hashes only (but the index's and the salt)
+        if p.name.startswith(NOT_ENTRIES):
             continue
         stem = p.name.split(".")[0]
         assert len(stem) == 32 and all(ch in "0123456789abcdef" for ch in stem)
@@ -174,8 +176,10 @@ async def test_client_api_keys_are_read_as_the_server_reads_them(make: Maker) ->
 def test_an_x_api_key_names_the_same_tenant_as_its_bearer_token() -> None:
     from kvproxy.keys import tenant_of
 
-    assert tenant_of({"X-Api-Key": "k1"}, None) == tenant_of({"Authorization": "Bearer k1"}, None)
-    assert tenant_of({"X-Api-Key": "k1"}, None) not in (None, tenant_of({"X-Api-Key": "k2"}, None))
+    salt = bytes(range(32))
+    as_bearer = tenant_of({"Authorization": "Bearer k1"}, None, salt)
+    assert tenant_of({"X-Api-Key": "k1"}, None, salt) == as_bearer
+    assert as_bearer not in (None, tenant_of({"X-Api-Key": "k2"}, None, salt))
 
 
 async def test_cors_preflight_and_the_ui_root_need_no_key(make: Maker) -> None:
@@ -222,3 +226,24 @@ async def test_admin_routes_need_the_admin_token_whenever_client_keys_are_set(
         s.get(keyed_only.url + "/kvproxy/stats", headers={"Authorization": "Bearer alice"}) as r,
     ):
         assert r.status == 401 and "--admin-token" in (await r.json())["error"]["message"]
+
+
+async def test_admin_routes_behind_an_allowed_host_need_the_admin_token(make: Maker) -> None:
+    """A name of --allowed-hosts is a reverse proxy or a LAN name: anyone may come through
+    it, so kvproxy's own routes (the status page quotes prompts) need the token there; a
+    loopback name still does not."""
+    _, proxy = await make(allowed_hosts="llm.example.org", admin_token="root")
+    async with aiohttp.ClientSession() as s:
+        for path in ("/kvproxy/status.json", "/kvproxy/stats", "/kvproxy/", "/metrics"):
+            outside = {"Host": "llm.example.org"}
+            async with s.get(proxy.url + path, headers=outside) as r:
+                assert r.status == 401, path
+            async with s.get(proxy.url + path, headers={**outside, **ROOT}) as r:
+                assert r.status == 200, path
+            async with s.get(proxy.url + path, headers={"Host": "localhost"}) as r:
+                assert r.status == 200, path
+        async with s.get(proxy.url + "/v1/models", headers={"Host": "llm.example.org"}) as r:
+            assert r.status == 200  # the API itself, as before
+
+
+ROOT = {"Authorization": "Bearer root"}

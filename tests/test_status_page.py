@@ -82,6 +82,31 @@ async def test_status_json_shows_slots_requests_and_the_hour(make: Maker) -> Non
     assert "alice" not in (await get(proxy.url + "/kvproxy/status.json"))[1]
 
 
+async def test_with_tenants_reasons_say_where_texts_part_never_what_they_say(
+    make: Maker,
+) -> None:
+    """With client API keys the page (for the admin token only) still explains misses and
+    weak hits, by message and character, but quotes no tenant's prompt: the page shows
+    every tenant's requests, and who reads it is not each of them."""
+    fake, proxy = await make(client_api_keys="alice,bob", admin_token="root")
+    alice = {"Authorization": "Bearer alice"}
+    prompt = "You are a helpful agent. Request id: {}. Follow the repository's rules."
+    for rid in ("a1b2", "c3d4"):
+        await chat(proxy, [{"role": "system", "content": prompt.format(rid)}], headers=alice)
+    for _ in range(300):
+        await settle(proxy)
+        if proxy.stats()["miss_explained"]:
+            break
+    status, text, _ = await get(
+        proxy.url + "/kvproxy/status.json", {"Authorization": "Bearer root"}
+    )
+    assert status == 200
+    [miss] = [r for r in orjson.loads(text)["reasons"] if r["kind"] == "miss"]
+    assert miss["why"] == "diverged from slot 0 at message 0, char 37"
+    for secret in ("a1b2", "c3d4", "Request id", "helpful agent"):
+        assert secret not in text
+
+
 async def test_the_page_is_one_self_contained_file(make: Maker) -> None:
     fake, proxy = await make()
     status, _, headers = await get(proxy.url + "/kvproxy")
@@ -134,6 +159,14 @@ def test_recent_requests_are_bounded_and_the_hour_slides() -> None:
     snap = recent.snapshot()
     assert len(snap["recent"]) == RECENT_REQUESTS and snap["recent"][0]["decision"] == "bypass"
     assert [r["kind"] for r in snap["reasons"]] == ["weak hit", "miss"]
+    assert snap["reasons"][1]["why"] == 'diverged from disk at message 1, char 4: "abc" vs "abd"'
+    quiet = Recent(excerpts=False)  # clients are tenants: where, never what
+    quiet.on_request(RequestEvent("/v1/chat/completions", Decision.MISS, 200, "k" * 16, miss=miss))
+    weak = RequestEvent("/v1/chat/completions", Decision.RESIDENT, 200, "k" * 16, weak=miss)
+    quiet.on_request(weak)
+    assert [r["why"] for r in quiet.snapshot()["reasons"]] == 2 * [
+        "diverged from disk at message 1, char 4"
+    ]
     hour = snap["last_hour"]
     assert hour["requests"] == RECENT_REQUESTS + 6 and hour["hits"] == RECENT_REQUESTS + 5
     assert hour["cached_share"] == 0.9

@@ -14,6 +14,8 @@ import pytest
 from kvproxy import keys
 from kvproxy.store import DB_NAME, STATE_MAGIC, Entry, IndexDB, Store
 
+from .conftest import NOT_ENTRIES
+
 NS = keys.namespace("m", {}, None)
 
 
@@ -51,7 +53,7 @@ def legacy(root: Path, messages: int, size: int = 1000, sidecar: bool = False) -
 
 def names(root: Path) -> list[str]:
     """The cache dir's files but the index's own."""
-    return sorted(p.name for p in root.iterdir() if not p.name.startswith(DB_NAME))
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(NOT_ENTRIES))
 
 
 def test_commit_writes_state_then_row(tmp_path: Path) -> None:

@@ -26,10 +26,10 @@ from kvproxy import keys
 from kvproxy.cache import backend as backendmod
 from kvproxy.cache import wiring as cachemod
 from kvproxy.edge.app import SERVICE
-from kvproxy.store import DB_NAME, Entry, Store
+from kvproxy.store import Entry, Store
 from kvproxy.store import files as storefiles
 
-from .conftest import Maker, RunningProxy, start_proxy
+from .conftest import NOT_ENTRIES, Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
 from .test_cache import chat, conv, settle, then
 from .test_store import state_bytes
@@ -202,7 +202,7 @@ async def load_and_check(proxy: RunningProxy, root: Path) -> None:
     assert proxy.stats()["evictions"] >= proxy.stats()["saves"] // 2
 
     await proxy.cache.notice_removals()  # what housekeeping does every second
-    names = [p.name for p in root.iterdir() if not p.name.startswith(DB_NAME)]
+    names = [p.name for p in root.iterdir() if not p.name.startswith(NOT_ENTRIES)]
     assert set(store.entries) == indexed_on_disk(root)
     assert not set(store.entries) & {preloaded_key(i) for i in range(REMOVED)}
     assert not [n for n in names if n.endswith(".idx")]  # imported, then dropped

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvproxy import keys
 from kvproxy.cache.backend import Backend
 from kvproxy.cache.events import Events
 from kvproxy.cache.habits import Habits
@@ -22,3 +24,7 @@ class CacheContext:
     habits: Habits  # what each namespace's client does between turns
     guard: RestoreGuard  # whether restoring still pays, per namespace
     background: Background  # detached work that outlives the request that started it
+
+    def tenant_of(self, headers: Mapping[str, str]) -> str | None:
+        """Who asks (keys.tenant_of), salted with the cache dir's secret once it is open."""
+        return keys.tenant_of(headers, self.settings.tenant_header, self.store.tenant_salt)

@@ -60,9 +60,10 @@ class RequestEvent:
     evaluated: int = 0
     miss: MissExplanation | None = None
     # Tokens a resident/restored decision expected the server to reuse (None: not judged),
-    # and, when the server reused less than half of them, why.
+    # and, when the server reused less than half of them, why (where the request parted from
+    # what the slot held, when known).
     expected_n: int | None = None
-    weak: str | None = None
+    weak: str | MissExplanation | None = None
     # The server (and a router's model) that served it, whose cold prefills price its cached
     # tokens; set even with one server (`backend` names it only among several).
     served_by: str = ""

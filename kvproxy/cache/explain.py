@@ -143,8 +143,9 @@ def why_weak(
     info: ModelInfo | None,
     messages: list[Any],
     held: tuple[str, list[Any]] | None,
-) -> str:
-    """Why a resident or restored request reused less than half of what it expected. `held`:
+) -> str | MissExplanation:
+    """Why a resident or restored request reused less than half of what it expected: where
+    it parted from what the slot held when that is known, else the likely cause. `held`:
     the slot's name and what it held before the reply's bookkeeping replaced it."""
     if restored:
         if info is not None and info.has_swa:
@@ -160,20 +161,20 @@ def why_weak(
         return "the request's tokens part from the saved ones early (template or echo)"
     found = explain_miss(messages, [held]) if held is not None else None
     if found is not None:
-        where = f"{found.where} at message {found.message_index}, char {found.char_offset}"
-        return f"diverged from {where}: {found.ours!r} vs {found.theirs!r}"
+        return found
     return (
         "the messages match as keyed, but the rendered tokens differ (whitespace, "
         "tool-call formatting), or the slot's state came from disk"
     )
 
 
-def describe(miss: MissExplanation) -> str:
-    """One line for the log."""
-    return (
-        f"diverged from {miss.where} at message {miss.message_index}, "
-        f'char {miss.char_offset}: "{miss.ours}" vs "{miss.theirs}"'
-    )
+def describe(miss: MissExplanation | str, excerpts: bool = True) -> str:
+    """One line for the log (a weak hit's cause is already one). Without `excerpts`, where
+    the texts part but not what they say: the client's text stays out of sight."""
+    if isinstance(miss, str):
+        return miss
+    where = f"diverged from {miss.where} at message {miss.message_index}, char {miss.char_offset}"
+    return f'{where}: "{miss.ours}" vs "{miss.theirs}"' if excerpts else where
 
 
 async def explain_against(

@@ -75,6 +75,7 @@ class Conversations:
         self.backend = ctx.backend
         self.pool = ctx.backend.pool
         self.store = ctx.store
+        self.tenant_of = ctx.tenant_of
         self.events = ctx.events
         self.guard = ctx.guard
         self.background = ctx.background
@@ -99,8 +100,7 @@ class Conversations:
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, Any]
     ) -> Conversation | NotKeyed:
         """The request as a conversation of this server's model (its namespace)."""
-        tenant = keys.tenant_of(request.headers, self.settings.tenant_header)
-        return adapter.read(payload, self.backend.model_identity, tenant)
+        return adapter.read(payload, self.backend.model_identity, self.tenant_of(request.headers))
 
     async def serve(
         self,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
+from kvproxy.cache.clearing import clear_slot
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, SlotActionEvent
 from kvproxy.cache.policy import worth_saving
@@ -365,24 +366,12 @@ class SlotWork:
 
     async def admit(self, slot: Slot, tenant: str | None) -> None:
         """Before `tenant`'s request runs on the slot (whatever was worth keeping is saved by
-        now): if it may hold another tenant's tokens, erase it. The server reuses any common
-        prefix of what a slot holds, and `timings.cache_n` would tell the newcomer that the
-        other tenant sent the same text. Raises UpstreamError when the erase fails: the
-        request must not go."""
-        if slot.occupant in (tenant, NOBODY) or not self.backend.disk_enabled:
-            # A server that refuses slot actions cannot erase either: it serves as it would
-            # without kvproxy, whose pinning picks no slot the server would not reuse anyway.
-            slot.admit(tenant)
-            return
-        try:
-            await self.client.erase(slot.id)
-        except UpstreamError as exc:
-            if exc.status != 501:
-                raise
-            self._no_slot_actions()
-            slot.admit(tenant)
-            return
-        slot.forget()
+        now): if it may hold another tenant's tokens, clear it (clearing.py). Raises
+        UpstreamError when that fails: the request must not go."""
+        if slot.occupant not in (tenant, NOBODY):
+            if not await clear_slot(self.client, slot, self.backend.disk_enabled):
+                self._no_slot_actions()
+            slot.forget()
         slot.admit(tenant)
 
     # --- the budget

@@ -13,7 +13,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvproxy import keys
 from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
@@ -37,6 +36,7 @@ class Unkeyed:
     def __init__(self, ctx: CacheContext, work: SlotWork, openings: Openings) -> None:
         self.backend = ctx.backend
         self.settings = ctx.settings
+        self.tenant_of = ctx.tenant_of
         self.prompts = Prompts(ctx, work, openings)
         self.pool = ctx.backend.pool
         self.work = work
@@ -60,7 +60,7 @@ class Unkeyed:
             request.path,
             payload,
             self.backend.model_identity,
-            keys.tenant_of(request.headers, self.settings.tenant_header),
+            self.tenant_of(request.headers),
         )
         if isinstance(conv, Conversation):
             return await self.prompts.serve(request, path_qs, conv)
@@ -137,7 +137,7 @@ class Unkeyed:
     async def _admit(self, slots: list[Slot], request: web.Request) -> bool:
         """Erase those of `slots` that may hold another tenant's tokens; False if one could
         not be erased (the request must not go)."""
-        tenant = keys.tenant_of(request.headers, self.work.settings.tenant_header)
+        tenant = self.tenant_of(request.headers)
         try:
             for slot in slots:
                 await self.work.admit(slot, tenant)

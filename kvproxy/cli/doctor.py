@@ -4,8 +4,12 @@ aiohttp, imported only when the command runs: `kvproxy ls` and the rest do not p
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvproxy.cli.flags import add_config_flag, add_settings_flags, settings_from_args
+
+if TYPE_CHECKING:
+    from kvproxy.server.doctor import Check
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -15,10 +19,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Checks a running llama-server and cache dir for what kvproxy needs. Each check "
             "is ok, warn or fail, with the exact flag to change; any fail exits 1. Without "
-            "--quick, two probes use idle slots (a running kvproxy notices and re-reads "
-            "them): whether an idle slot keeps its tokens when another slot works, and "
+            "--quick, three probes use idle slots (a running kvproxy notices and re-reads "
+            "them): whether an idle slot keeps its tokens when another slot works, "
             "whether the server reuses a restored state — the one thing that decides if "
-            "restores save any time on this model."
+            "restores save any time on this model — and whether its RAM prompt cache is on "
+            "(with several tenants it must be off: --cache-ram 0)."
         ),
     )
     add_config_flag(parser)  # the server `kvproxy serve --config` names
@@ -35,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     import orjson
 
-    from kvproxy.server.doctor import diagnose, render
+    from kvproxy.server.doctor import diagnose
 
     settings = settings_from_args(args)
     checks = asyncio.run(diagnose(settings, quick=args.quick))
@@ -44,3 +49,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(checks))
     return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+def render(checks: list[Check]) -> str:
+    """The checks as a table, each fix under its check."""
+    width = max(len(c.name) for c in checks) if checks else 5
+    lines = [f"{'check':<{width}}  status  detail"]
+    for c in checks:
+        lines.append(f"{c.name:<{width}}  {c.status:<6}  {c.detail}")
+        if c.fix:
+            lines.append(f"{'':<{width}}          fix: {c.fix}")
+    return "\n".join(lines)

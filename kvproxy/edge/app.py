@@ -71,7 +71,8 @@ class Service:
         )
         self.cache = ConversationCache(settings, self.upstreams, self.events)
         self.metrics.watch(self.cache)
-        self.recent = Recent()  # what the status page shows of the last requests
+        # What the status page shows of the last requests.
+        self.recent = Recent(excerpts=not settings.tenants)
         self.held_bodies = HeldBodies(settings.max_body_memory)
         self.in_flight = InFlight()  # named when a managed server dies
         # Managed mode: None while a server runs, else the seconds until one starts again.

@@ -20,8 +20,7 @@ def host_refusal(request: web.Request, settings: Settings) -> str | None:
     origin can resolve its own name to 127.0.0.1 (DNS rebinding) but cannot forge Host."""
     if not settings.loopback:
         return None
-    host = (request.headers.get("Host") or "").strip().lower()
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    host, name = _host(request)
     if name in LOOPBACK_NAMES or name in settings.allowed_hosts:
         return None
     return (
@@ -30,11 +29,18 @@ def host_refusal(request: web.Request, settings: Settings) -> str | None:
     )
 
 
+def _host(request: web.Request) -> tuple[str, str]:
+    """The Host header as sent (lowercased), and the name in it without the port."""
+    host = (request.headers.get("Host") or "").strip().lower()
+    return host, host.rsplit(":", 1)[0] if not host.endswith("]") else host
+
+
 def admin_refusal(request: web.Request, settings: Settings) -> web.Response | None:
-    """kvproxy's own routes (/kvproxy/*, /metrics) need the admin token off loopback, and
-    whenever client API keys are set: every tenant reaches loopback alike (and a reverse
-    proxy named with --allowed-hosts), and these routes show every tenant's slots."""
-    if settings.loopback and not settings.client_api_keys:
+    """kvproxy's own routes (/kvproxy/*, /metrics) need the admin token off loopback, under
+    a name of --allowed-hosts (a reverse proxy brings anyone there), and whenever client API
+    keys are set: every tenant reaches loopback alike, and these routes show every tenant's
+    slots and the status page quotes prompts."""
+    if settings.loopback and not settings.client_api_keys and _host(request)[1] in LOOPBACK_NAMES:
         return None
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
     given = header_bytes(request.headers.get("Authorization", ""))

@@ -38,8 +38,11 @@ class _Minute:
 class Recent:
     """A cache listener keeping the last requests and an hour of per-minute totals."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, excerpts: bool = True) -> None:
         self.clock = clock
+        # Whether reasons quote the client's text around a divergence: not when clients are
+        # tenants (the page shows every tenant's requests; the log keeps the excerpts).
+        self.excerpts = excerpts
         self.requests: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self.reasons: deque[dict[str, Any]] = deque(maxlen=RECENT_REASONS)
         self.minutes: deque[_Minute] = deque(maxlen=WINDOW_S // BUCKET_S + 1)
@@ -61,13 +64,10 @@ class Recent:
                 "saved_s": None if saved is None else round(saved, 4),
             }
         )
-        if event.weak is not None:
-            self.reasons.append(
-                {"at": now, "kind": "weak hit", "key": event.key[:12], "why": event.weak}
-            )
-        if event.miss is not None:
-            why = describe(event.miss)
-            self.reasons.append({"at": now, "kind": "miss", "key": event.key[:12], "why": why})
+        for kind, why in (("weak hit", event.weak), ("miss", event.miss)):
+            if why is not None:
+                text = describe(why, self.excerpts)
+                self.reasons.append({"at": now, "kind": kind, "key": event.key[:12], "why": text})
         if event.decision in (Decision.BYPASS, Decision.BUSY):
             return
         minute = self._minute(now)

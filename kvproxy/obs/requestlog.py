@@ -40,8 +40,14 @@ class RequestLog:
                 event.decision,
                 event.cache_n,
                 event.expected_n,
-                event.weak,
-                extra={"fields": {"event": "weak_hit", "key": fields["key"], "why": event.weak}},
+                describe(event.weak),
+                extra={
+                    "fields": {
+                        "event": "weak_hit",
+                        "key": fields["key"],
+                        "why": describe(event.weak),
+                    }
+                },
             )
         if event.miss is not None:
             log.info(

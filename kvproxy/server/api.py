@@ -199,11 +199,12 @@ class LlamaClient:
             raise UpstreamError(f"/tokenize answered {_short(res)}")
         return tokens
 
-    async def evaluate(self, slot_id: int, tokens: list[int]) -> dict[str, Any]:
-        """Make the slot hold exactly `tokens` (reusing what it already shares with them),
-        generating nothing; returns the reply's `timings`. No deadline: a prefill takes what
-        the server's speed needs (minutes for 10k tokens on a slow CPU), and the server goes
-        on computing whatever kvproxy does."""
+    async def evaluate(self, slot_id: int, tokens: list[int] | str) -> dict[str, Any]:
+        """Make the slot hold exactly `tokens` (reusing what it already shares with them; a
+        string is tokenised as prompts are, BOS first), generating nothing; returns the
+        reply's `timings`. No deadline: a prefill takes what the server's speed needs
+        (minutes for 10k tokens on a slow CPU), and the server goes on computing whatever
+        kvproxy does."""
         res = await self._post(
             "/completion",
             {"prompt": tokens, "n_predict": 0, "id_slot": slot_id, "cache_prompt": True},

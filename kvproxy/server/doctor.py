@@ -2,9 +2,10 @@
 command line is `kvproxy.cli.doctor`, so other commands do not import this module and aiohttp).
 
 Each check is ok, warn or fail, with the exact flag to change; any fail exits 1. Without
-`--quick`, two probes use idle slots (a running kvproxy notices and re-reads them): whether
-an idle slot keeps its tokens when another slot works, and whether the server reuses a
-restored state — the one thing that decides if restores save any time on this model.
+`--quick`, three probes use idle slots (a running kvproxy notices and re-reads them): whether
+an idle slot keeps its tokens when another slot works, whether the server reuses a restored
+state — the one thing that decides if restores save any time on this model — and whether its
+RAM prompt cache is on (promptcache.py).
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ class Doctor:
         return self.checks
 
     async def probes(self) -> None:
+        from kvproxy.server.promptcache import NAME, check_prompt_cache
+
         if self.quick:
-            self.add("idle slots kept", "warn", "not probed (--quick)")
-            self.add("restore reuse", "warn", "not probed (--quick)")
+            for name in ("idle slots kept", "restore reuse", NAME):
+                self.add(name, "warn", "not probed (--quick)")
         else:
             await self.check_idle_wipe()
             await self.check_restore_reuse()
+            await check_prompt_cache(self)
 
     # --- the checks, in the order a user would fix them
 
@@ -310,16 +314,6 @@ def _unlink(path: Path) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
-
-
-def render(checks: list[Check]) -> str:
-    width = max(len(c.name) for c in checks) if checks else 5
-    lines = [f"{'check':<{width}}  status  detail"]
-    for c in checks:
-        lines.append(f"{c.name:<{width}}  {c.status:<6}  {c.detail}")
-        if c.fix:
-            lines.append(f"{'':<{width}}          fix: {c.fix}")
-    return "\n".join(lines)
 
 
 async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:

@@ -64,9 +64,28 @@ def swa_full(infos: Sequence[ModelInfo], extra: list[str]) -> list[str]:
     return [*extra, "--swa-full"]
 
 
+def no_prompt_cache(settings: Settings, extra: list[str]) -> list[str]:
+    """`extra` plus `--cache-ram 0` when clients are tenants (--client-api-keys or
+    --tenant-header): the server's RAM prompt cache keeps the prompts of every slot it
+    reuses and loads the closest one into any slot for any request (server_prompt_cache::
+    load), so a tenant's `cache_n` would tell how much of another's prompt it sent, however
+    kvproxy clears its slots. kvproxy's disk cache does that cache's work, per tenant."""
+    if not settings.tenants:
+        return extra
+    given = [a for a in extra if a in ("--cache-ram", "-cram") or a.startswith("--cache-ram=")]
+    if given:
+        log.warning(
+            "%s given with several tenants: unless it is 0, a tenant can tell from cache_n "
+            "how much of another tenant's prompt it sent",
+            given[0],
+        )
+        return extra
+    return ["--cache-ram", "0", *extra]
+
+
 async def managed_command(settings: Settings, binary: Path | ServerBinary, port: int) -> Launch:
     """What to start for `--model` or `--models-dir` (exactly one of them is set)."""
-    extra = list(settings.server_args)
+    extra = no_prompt_cache(settings, list(settings.server_args))
     if settings.models_dir is not None:
         if settings.model:
             raise ServerError("give --model or --models-dir, not both")

@@ -41,6 +41,7 @@ from kvproxy.store.heads import Heads
 from kvproxy.store.listing import Totals
 from kvproxy.store.offline import OfflineStore
 from kvproxy.store.perkey import PerKey
+from kvproxy.store.salt import load_or_create
 from kvproxy.store.schema import DB_NAME
 from kvproxy.store.startup import open_index, set_aside
 from kvproxy.store.thread import IndexThread
@@ -62,6 +63,9 @@ class Store(OfflineStore):
         self.max_bytes = max_bytes
         self.problems: list[tuple[str, str]] = []  # (key, reason) skipped by the last open
         self.ready = False  # opened: the proxy serves uncached until then
+        # Mixed into tenants' hashes (salt.py); read at the proxy's open. Until then tenants
+        # are hashed unsalted: kept apart as well, only named otherwise.
+        self.tenant_salt = b""
         self.summary = Totals(0, 0)
         self._pinned: dict[str, int] = {}
         # File operations: one at a time per key, in issue order. What one raises after its
@@ -227,6 +231,7 @@ class Store(OfflineStore):
     async def open_async(self) -> None:
         """Create the directory, import old `.idx` records, sweep what no row covers."""
         self.problems, self.summary = await self._thread.run(self._open_recovering)
+        self.tenant_salt = await asyncio.to_thread(load_or_create, self.root)
         self.ready = True
         self._log_opened()
 
