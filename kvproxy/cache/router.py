@@ -131,12 +131,12 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lane_for(self, request: web.Request) -> AsyncIterator[Lane]:
-        """The lane for a request the cache does not key but pins: with router models, the
-        one its body names, brought up (models.py) and busy until the request is done."""
+        """The lane for a request the cache does not key (pinned, or passed through to a
+        route on which a router loads a model): with router models, the one it names,
+        brought up (models.py: what that unloads saved first) and busy until it is done."""
         found = []
-        if self.models and request.body_exists:
-            parsed = jsonbody.parse(await request.read())
-            found = await self._model_lanes(None if parsed.opaque else parsed.value)
+        if self.models:
+            found = await self._model_lanes(await _naming(request))
         if not found:
             yield self.pick()
             return
@@ -253,6 +253,17 @@ class Router:
         ]
         index = choose_lane(views)
         return lanes[index], convs[index]
+
+
+async def _naming(request: web.Request) -> Any:
+    """What names the model a router sends `request` to (server-models.cpp): a GET's query
+    (proxy_get reads `?model=`), else the JSON body (proxy_post reads its "model")."""
+    if request.method in ("GET", "HEAD"):
+        return {"model": request.query.get("model")}
+    if not request.body_exists:
+        return None
+    parsed = jsonbody.parse(await request.read())
+    return None if parsed.opaque else parsed.value
 
 
 def _model_named(payload: Any) -> object:
