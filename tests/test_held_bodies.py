@@ -5,8 +5,11 @@ held are served; the budget comes back as answers end."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import tracemalloc
 
 import aiohttp
+import orjson
 
 from kvproxy.edge.heldbodies import HeldBodies
 
@@ -55,3 +58,48 @@ def test_one_body_always_passes_and_zero_means_no_bound() -> None:
     assert budget.refused == 2
     unbounded = HeldBodies(0)
     assert all(unbounded.take(10**9) for _ in range(5))
+
+
+async def test_a_queued_chat_body_costs_about_its_size_in_memory(make: Maker) -> None:
+    """#36: a queued body was held twice over (aiohttp's raw bytes and the parsed JSON), a
+    third copy on the way out: 32 queued 30 MiB chats took 2.25 GiB. What a queued chat
+    costs kvproxy is measured (tracemalloc: Python's allocations, the client's one shared
+    payload apart) and must stay under 1.5 times its size."""
+    fake, proxy = await make(max_body=64 * MIB, max_body_memory=0)
+    fake.frozen = True  # the first chats take every slot; the others queue
+    pool = proxy.cache.pool
+    size = 8 * MIB
+    words = "lorem ipsum dolor sit amet " * (size // 27)
+    payload = orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": words}], "max_tokens": 4}
+    )
+    headers = {"Content-Type": "application/json"}
+
+    async def send(s: aiohttp.ClientSession) -> None:
+        async with s.post(proxy.url + "/v1/chat/completions", data=payload, headers=headers):
+            pass
+
+    async def queued(n: int) -> None:
+        async with asyncio.timeout(BOUND):
+            while pool.waiting < n:
+                await asyncio.sleep(0.05)
+
+    tracemalloc.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            sent = [asyncio.create_task(send(s)) for _ in range(len(pool.slots) + 1)]
+            await queued(1)
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            sent += [asyncio.create_task(send(s)) for _ in range(3)]
+            await queued(4)
+            gc.collect()
+            per_body = (tracemalloc.get_traced_memory()[0] - before) / 3
+            for task in sent:
+                task.cancel()
+            await asyncio.gather(*sent, return_exceptions=True)
+    finally:
+        tracemalloc.stop()
+        fake.frozen = False
+    print(f"\na queued chat body costs {per_body / len(payload):.2f} times its size")
+    assert per_body < 1.5 * len(payload), f"{per_body / len(payload):.2f} times the body"

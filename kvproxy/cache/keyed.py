@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from kvproxy import keys
@@ -41,13 +42,35 @@ from kvproxy.wire.capture import Reply
 log = logging.getLogger("kvproxy.cache")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Incoming:
-    """A keyed request's body as it came, parsed, and when the request came."""
+    """A keyed request's body as it came (None once let go), parsed, and when it came."""
 
-    body: bytes
+    body: bytes | None
     parsed: jsonbody.Body
     started: float
+
+    def raw(self) -> bytes:
+        """The body to send as it is: as it came, or written back from the parse (the same
+        JSON: a body that is let go parsed usable) after `let_go`."""
+        return self.body if self.body is not None else orjson.dumps(self.parsed.value)
+
+    def let_go(self, request: web.Request) -> None:
+        """Keep the parsed body only: the raw one, here and aiohttp's, is a second copy of
+        the body while it waits for a slot (a conversation goes out written from the parse)."""
+        if self.parsed.usable:
+            self.body = None
+            jsonbody.let_go(request)
+
+
+async def read_incoming(request: web.Request) -> Incoming | web.Response:
+    """The request's body read and parsed, or the 400 for a body that is not JSON."""
+    started = time.perf_counter()
+    body = await request.read()
+    parsed = jsonbody.parse(body)
+    if parsed.invalid is not None:
+        return invalid_json(parsed.invalid)
+    return Incoming(body, parsed, started)
 
 
 def invalid_json(reason: str) -> web.Response:
@@ -86,12 +109,10 @@ class Conversations:
     async def handle_keyed(
         self, request: web.Request, path_qs: str, adapter: WireAdapter
     ) -> web.StreamResponse:
-        started = time.perf_counter()
-        body = await request.read()
-        parsed = jsonbody.parse(body)
-        if parsed.invalid is not None:
-            return invalid_json(parsed.invalid)
-        return await self.serve(request, path_qs, adapter, Incoming(body, parsed, started))
+        incoming = await read_incoming(request)
+        if isinstance(incoming, web.Response):
+            return incoming
+        return await self.serve(request, path_qs, adapter, incoming)
 
     def read(
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, Any]
@@ -110,22 +131,23 @@ class Conversations:
     ) -> web.StreamResponse:
         """A keyed route's request, its body read and parsed, on this lane's server. `conv`:
         the body already read as a conversation of this server's model (router.py)."""
-        started, body, parsed = incoming.started, incoming.body, incoming.parsed
+        started, parsed = incoming.started, incoming.parsed
         await self.backend.rediscover_if_off()
         if parsed.opaque:
             # JSON kvproxy cannot read or write back: to the server as it came.
-            return await self.unkeyed.hold_all(request, path_qs, body)
+            return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
         payload = parsed.value
         if not self.backend.enabled or not isinstance(payload, dict):
             # Not an object: the server rejects it before it touches a slot.
-            return (await self.unkeyed.relay_bypass(request, path_qs, body)).response
+            return (await self.unkeyed.relay_bypass(request, path_qs, incoming.raw())).response
         if conv is None:
             conv = self.read(request, adapter, payload)
         if isinstance(conv, NotKeyed):
             log.debug("not caching %s: %s", path_qs, conv.reason)
             if adapter.route_pins and not conv.several_slots:
                 return await self.unkeyed.forward_pinned(request, path_qs, payload)
-            return await self.unkeyed.hold_all(request, path_qs, body)
+            return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
+        incoming.let_go(request)  # it goes out written from the parse: held once while queued
 
         try:
             slot, _ = await self.pool.acquire(

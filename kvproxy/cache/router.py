@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.keyed import Incoming, invalid_json
+from kvproxy.cache.keyed import read_incoming
 from kvproxy.cache.lane import Lane
 from kvproxy.cache.models import RouterModels
 from kvproxy.cache.routing import LaneView, choose_lane, least_loaded, model_candidates
@@ -168,12 +167,10 @@ class Router:
             await self._find_new()
         if self.models:
             return await self._handle_model(request, path_qs, adapter)
-        started = time.perf_counter()
-        body = await request.read()
-        parsed = jsonbody.parse(body)
-        if parsed.invalid is not None:
-            return invalid_json(parsed.invalid)
-        incoming = Incoming(body, parsed, started)
+        incoming = await read_incoming(request)
+        if isinstance(incoming, web.Response):
+            return incoming
+        parsed = incoming.parsed
         payload = parsed.value if not parsed.opaque and isinstance(parsed.value, dict) else None
         left = list(self.lanes)
         while True:
@@ -196,16 +193,15 @@ class Router:
         it; a body naming none of them goes as it is (the router answers it). With several
         routers, one that cannot be reached before any byte went out leaves rotation and the
         request goes to another."""
-        started = time.perf_counter()
-        body = await request.read()
-        parsed = jsonbody.parse(body)
-        if parsed.invalid is not None:
-            return invalid_json(parsed.invalid)
+        incoming = await read_incoming(request)
+        if isinstance(incoming, web.Response):
+            return incoming
+        parsed = incoming.parsed
         value = None if parsed.opaque else parsed.value
         left = await self._model_lanes(value)
         if not left:
-            return (await self.pick().unkeyed.relay_bypass(request, path_qs, body)).response
-        incoming = Incoming(body, parsed, started)
+            bypass = await self.pick().unkeyed.relay_bypass(request, path_qs, incoming.raw())
+            return bypass.response
         payload = value if isinstance(value, dict) else None
         while True:
             group, lane = self._choose_model(left, request, adapter, payload)
