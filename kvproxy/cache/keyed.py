@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from kvproxy import keys
@@ -24,6 +22,7 @@ from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
 from kvproxy.cache.explain import explain_against, why_weak
+from kvproxy.cache.incoming import Incoming, read_incoming
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.prepare import Preparer
@@ -32,49 +31,13 @@ from kvproxy.cache.refusals import busy_response
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, QueueFull, Slot
 from kvproxy.cache.unkeyed import Unkeyed
-from kvproxy.http import bodies as jsonbody
-from kvproxy.http.errors import error_response, unreachable_response
+from kvproxy.http.errors import unreachable_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
 from kvproxy.wire import Conversation, NotKeyed, WireAdapter
 from kvproxy.wire.capture import Reply
 
 log = logging.getLogger("kvproxy.cache")
-
-
-@dataclass
-class Incoming:
-    """A keyed request's body as it came (None once let go), parsed, and when it came."""
-
-    body: bytes | None
-    parsed: jsonbody.Body
-    started: float
-
-    def raw(self) -> bytes:
-        """The body to send as it is: as it came, or written back from the parse (the same
-        JSON: a body that is let go parsed usable) after `let_go`."""
-        return self.body if self.body is not None else orjson.dumps(self.parsed.value)
-
-    def let_go(self, request: web.Request) -> None:
-        """Keep the parsed body only: the raw one, here and aiohttp's, is a second copy of
-        the body while it waits for a slot (a conversation goes out written from the parse)."""
-        if self.parsed.usable:
-            self.body = None
-            jsonbody.let_go(request)
-
-
-async def read_incoming(request: web.Request) -> Incoming | web.Response:
-    """The request's body read and parsed, or the 400 for a body that is not JSON."""
-    started = time.perf_counter()
-    body = await request.read()
-    parsed = jsonbody.parse(body)
-    if parsed.invalid is not None:
-        return invalid_json(parsed.invalid)
-    return Incoming(body, parsed, started)
-
-
-def invalid_json(reason: str) -> web.Response:
-    return error_response(400, f"Request body is not valid JSON: {reason}", "invalid_json")
 
 
 # The status a request's log line and metrics show when its client hung up mid-reply (nginx's).

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.keyed import read_incoming
+from kvproxy.cache.incoming import read_incoming
 from kvproxy.cache.lane import Lane
 from kvproxy.cache.models import RouterModels
 from kvproxy.cache.routing import LaneView, choose_lane, least_loaded, model_candidates
