@@ -165,9 +165,9 @@ class Settings(BaseSettings):
     max_body: ByteSize = Field(ByteSize(32 * 1024**2), description="largest request body (413)")
     max_body_memory: ByteSize = Field(
         ByteSize(512 * 1024**2),
-        description="request bodies held at once, queued or being served (a chunked one counts "
-        "as --max-body); a body beyond it is answered 503 with Retry-After before it is read "
-        "(0 = no bound)",
+        description="memory for the request bodies held at once, queued or being served, each "
+        "counted at 1.5 times its size (what holding it costs; a chunked one as --max-body); "
+        "a body beyond it is answered 503 with Retry-After before it is read (0 = no bound)",
     )
     client_timeout: Duration = Field(
         60.0,

@@ -6,6 +6,7 @@ back, the doctor checks each model, and kvproxy's stop stops the router and its 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -202,6 +204,46 @@ def test_a_conversation_comes_back_restored_after_the_router_swapped_its_model(
     )
     assert h2["X-KVProxy-Cache"] == "restored", h2
     assert cache_n >= 0.99 * reusable, (r2["timings"], reusable)
+
+
+def test_a_pass_through_route_naming_the_other_model_loses_no_conversation(
+    router: Router,
+) -> None:
+    """#36: POST /tokenize or GET /props?model= naming the other model makes the router
+    (--models-max 1) swap; what the unloaded model held is saved first, so its next turn is
+    restored, not a miss."""
+    proxy = SimpleNamespace(url=f"http://127.0.0.1:{router.port}")
+    story = " ".join(f"Entry {i}: {FILLER}" for i in range(40))
+    turns = [
+        {"role": "system", "content": "You answer in one word. " + story},
+        {"role": "user", "content": "Which dog is lazy?"},
+    ]
+
+    async def other_model(s: aiohttp.ClientSession, method: str, route: str) -> None:
+        body = {"model": "tiny", "content": "hello"} if method == "POST" else None
+        async with s.request(method, proxy.url + route, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+        listed = get_json(router.server_url + "/models")["data"]
+        assert {m["id"]: m["status"]["value"] for m in listed}["gemma"] == "unloaded"
+
+    async def run() -> list[tuple[dict[str, Any], dict[str, str]]]:
+        status, reply, headers = await chat(proxy, turns, model="gemma", max_tokens=4)
+        assert status == 200
+        replies = [(reply, headers)]
+        async with aiohttp.ClientSession() as s:
+            for method, route in (("POST", "/tokenize"), ("GET", "/props?model=tiny")):
+                await other_model(s, method, route)
+                turns[:] = then(turns, reply)
+                status, reply, headers = await chat(proxy, turns, model="gemma", max_tokens=4)
+                assert status == 200
+                replies.append((reply, headers))
+        return replies
+
+    replies = asyncio.run(run())
+    for (before, _), (after, headers) in itertools.pairwise(replies):
+        reusable = sum(before["timings"][k] for k in ("cache_n", "prompt_n", "predicted_n"))
+        assert headers["X-KVProxy-Cache"] == "restored", headers
+        assert after["timings"]["cache_n"] >= 0.99 * reusable, (after["timings"], reusable)
 
 
 def test_clients_reach_each_model_through_kvproxy_and_stop_stops_them(router: Router) -> None:

@@ -155,3 +155,37 @@ async def test_a_router_with_no_models_is_served_as_it_is(tmp_path: Path) -> Non
             assert status == 400 and "not found" in str(body)
         finally:
             await proxy.stop()
+
+
+@pytest.mark.parametrize(
+    ("method", "route", "body"),
+    [
+        ("POST", "/tokenize", {"model": "coder", "content": "hello"}),
+        ("POST", "/detokenize", {"model": "coder", "tokens": [1, 2]}),
+        (
+            "POST",
+            "/apply-template",
+            {"model": "coder", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        ("GET", "/props?model=coder", None),
+    ],
+)
+async def test_a_pass_through_route_naming_another_model_saves_what_it_unloads_first(
+    routed: tuple[FakeRouter, RunningProxy], method: str, route: str, body: object
+) -> None:
+    """The router loads the model any proxied route names (server-models.cpp proxy_post reads
+    the body's "model", proxy_get `?model=`): with --models-max 1 that unloads the other one,
+    so what it held is saved first, as before a chat turn for that model."""
+    router, proxy = routed
+    status, r1, _ = await chat(proxy, conv(1), model="chat")
+    assert status == 200
+    await settle(proxy)
+    assert not committed(proxy.cache.store.root)
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, proxy.url + route, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+    assert router.unloads == ["chat"]
+    assert committed(proxy.cache.store.root), "chat's conversation was lost in the swap"
+    status, r2, h2 = await chat(proxy, then(conv(1), r1), model="chat")
+    assert status == 200 and h2["X-KVProxy-Cache"] == "restored", h2
+    assert r2["timings"]["prompt_n"] <= 100 < r2["timings"]["cache_n"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +23,7 @@ from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
 from kvproxy.cache.explain import explain_against, why_weak
+from kvproxy.cache.incoming import Incoming, read_incoming
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.prepare import Preparer
@@ -32,27 +32,13 @@ from kvproxy.cache.refusals import busy_response
 from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, QueueFull, Slot
 from kvproxy.cache.unkeyed import Unkeyed
-from kvproxy.http import bodies as jsonbody
-from kvproxy.http.errors import error_response, unreachable_response
+from kvproxy.http.errors import unreachable_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
 from kvproxy.wire import Conversation, NotKeyed, WireAdapter, with_reply_cap
 from kvproxy.wire.capture import Reply
 
 log = logging.getLogger("kvproxy.cache")
-
-
-@dataclass(frozen=True)
-class Incoming:
-    """A keyed request's body as it came, parsed, and when the request came."""
-
-    body: bytes
-    parsed: jsonbody.Body
-    started: float
-
-
-def invalid_json(reason: str) -> web.Response:
-    return error_response(400, f"Request body is not valid JSON: {reason}", "invalid_json")
 
 
 # The status a request's log line and metrics show when its client hung up mid-reply (nginx's).
@@ -89,12 +75,10 @@ class Conversations:
     async def handle_keyed(
         self, request: web.Request, path_qs: str, adapter: WireAdapter
     ) -> web.StreamResponse:
-        started = time.perf_counter()
-        body = await request.read()
-        parsed = jsonbody.parse(body)
-        if parsed.invalid is not None:
-            return invalid_json(parsed.invalid)
-        return await self.serve(request, path_qs, adapter, Incoming(body, parsed, started))
+        incoming = await read_incoming(request)
+        if isinstance(incoming, web.Response):
+            return incoming
+        return await self.serve(request, path_qs, adapter, incoming)
 
     def read(
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, Any]
@@ -112,22 +96,23 @@ class Conversations:
     ) -> web.StreamResponse:
         """A keyed route's request, its body read and parsed, on this lane's server. `conv`:
         the body already read as a conversation of this server's model (router.py)."""
-        started, body, parsed = incoming.started, incoming.body, incoming.parsed
+        started, parsed = incoming.started, incoming.parsed
         await self.backend.rediscover_if_off()
         if parsed.opaque:
             # JSON kvproxy cannot read or write back: to the server as it came.
-            return await self.unkeyed.hold_all(request, path_qs, body)
+            return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
         payload = parsed.value
         if not self.backend.enabled or not isinstance(payload, dict):
             # Not an object: the server rejects it before it touches a slot.
-            return (await self.unkeyed.relay_bypass(request, path_qs, body)).response
+            return (await self.unkeyed.relay_bypass(request, path_qs, incoming.raw())).response
         if conv is None:
             conv = self.read(request, adapter, payload)
         if isinstance(conv, NotKeyed):
             log.debug("not caching %s: %s", path_qs, conv.reason)
             if adapter.route_pins and not conv.several_slots:
                 return await self.unkeyed.forward_pinned(request, path_qs, payload)
-            return await self.unkeyed.hold_all(request, path_qs, body)
+            return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
+        incoming.let_go(request)  # it goes out written from the parse: held once while queued
 
         try:
             slot, _ = await self.pool.acquire(

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.keyed import Incoming, invalid_json
+from kvproxy.cache.incoming import read_incoming
 from kvproxy.cache.lane import Lane
 from kvproxy.cache.models import RouterModels
 from kvproxy.cache.routing import LaneView, choose_lane, least_loaded, model_candidates
@@ -131,12 +130,12 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lane_for(self, request: web.Request) -> AsyncIterator[Lane]:
-        """The lane for a request the cache does not key but pins: with router models, the
-        one its body names, brought up (models.py) and busy until the request is done."""
+        """The lane for a request the cache does not key (pinned, or passed through to a
+        route on which a router loads a model): with router models, the one it names,
+        brought up (models.py: what that unloads saved first) and busy until it is done."""
         found = []
-        if self.models and request.body_exists:
-            parsed = jsonbody.parse(await request.read())
-            found = await self._model_lanes(None if parsed.opaque else parsed.value)
+        if self.models:
+            found = await self._model_lanes(await _naming(request))
         if not found:
             yield self.pick()
             return
@@ -168,12 +167,10 @@ class Router:
             await self._find_new()
         if self.models:
             return await self._handle_model(request, path_qs, adapter)
-        started = time.perf_counter()
-        body = await request.read()
-        parsed = jsonbody.parse(body)
-        if parsed.invalid is not None:
-            return invalid_json(parsed.invalid)
-        incoming = Incoming(body, parsed, started)
+        incoming = await read_incoming(request)
+        if isinstance(incoming, web.Response):
+            return incoming
+        parsed = incoming.parsed
         payload = parsed.value if not parsed.opaque and isinstance(parsed.value, dict) else None
         left = list(self.lanes)
         while True:
@@ -196,16 +193,15 @@ class Router:
         it; a body naming none of them goes as it is (the router answers it). With several
         routers, one that cannot be reached before any byte went out leaves rotation and the
         request goes to another."""
-        started = time.perf_counter()
-        body = await request.read()
-        parsed = jsonbody.parse(body)
-        if parsed.invalid is not None:
-            return invalid_json(parsed.invalid)
+        incoming = await read_incoming(request)
+        if isinstance(incoming, web.Response):
+            return incoming
+        parsed = incoming.parsed
         value = None if parsed.opaque else parsed.value
         left = await self._model_lanes(value)
         if not left:
-            return (await self.pick().unkeyed.relay_bypass(request, path_qs, body)).response
-        incoming = Incoming(body, parsed, started)
+            bypass = await self.pick().unkeyed.relay_bypass(request, path_qs, incoming.raw())
+            return bypass.response
         payload = value if isinstance(value, dict) else None
         while True:
             group, lane = self._choose_model(left, request, adapter, payload)
@@ -253,6 +249,17 @@ class Router:
         ]
         index = choose_lane(views)
         return lanes[index], convs[index]
+
+
+async def _naming(request: web.Request) -> Any:
+    """What names the model a router sends `request` to (server-models.cpp): a GET's query
+    (proxy_get reads `?model=`), else the JSON body (proxy_post reads its "model")."""
+    if request.method in ("GET", "HEAD"):
+        return {"model": request.query.get("model")}
+    if not request.body_exists:
+        return None
+    parsed = jsonbody.parse(await request.read())
+    return None if parsed.opaque else parsed.value
 
 
 def _model_named(payload: Any) -> object:

@@ -62,6 +62,10 @@ class Unkeyed:
             self.backend.model_identity,
             self.tenant_of(request.headers),
         )
+        # Either way it goes out written from the parse: the raw copy is not held while it
+        # waits for a slot (incoming.py).
+        del body
+        jsonbody.let_go(request)
         if isinstance(conv, Conversation):
             return await self.prompts.serve(request, path_qs, conv)
         return await self.forward_pinned(request, path_qs, payload)

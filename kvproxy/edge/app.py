@@ -261,6 +261,13 @@ async def _serve(
         return await lane.unkeyed.hold_all(request, _path_qs(path, request), body)
     if request.method == "GET" and path in MODEL_LISTS and request.query.get("reload"):
         return await reload_every_router(request, service, _path_qs(path, request))
+    if router.models and routes.loads_model(request.method, path):
+        # A router loads the model this names, unloading another past --models-max: that
+        # one's slots are saved first, as before a chat turn (cache/models.py).
+        async with router.lane_for(request) as lane:
+            return await forward(
+                request, service, _path_qs(path, request), upstream=lane.backend.upstream
+            )
     return await forward(request, service, _path_qs(path, request))
 
 

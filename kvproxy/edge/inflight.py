@@ -4,7 +4,9 @@ sent again and again, would otherwise only show as restarts).
 
 A request is named by its route, its body's size and a hash of the body (never its text: a
 prompt is the client's), so an operator can match it against a client's logs or a repeat.
-The body is hashed only when a server dies: the request path pays for a dict entry.
+The body is hashed as the request starts (xxh3, a small fraction of parsing it), not kept:
+a reference here would keep every body's raw bytes alive after kvproxy let them go, a
+second copy of each queued body (edge/heldbodies.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ NAMED_PER_DEATH = 16
 class Flight:
     method: str
     path: str
-    body: bytes
+    body_bytes: int
+    body_hash: str  # xxh3-64 of the body, hex
     started: float  # time.monotonic()
 
 
@@ -59,7 +62,8 @@ class InFlight:
 
     def start(self, method: str, path: str, body: bytes) -> int:
         ticket = next(self._ids)
-        self._flights[ticket] = Flight(method, path, body, time.monotonic())
+        digest = xxhash.xxh3_64_hexdigest(body)
+        self._flights[ticket] = Flight(method, path, len(body), digest, time.monotonic())
         return ticket
 
     def end(self, ticket: int) -> None:
@@ -71,13 +75,7 @@ class InFlight:
         now = time.monotonic()
         flights = sorted(self._flights.values(), key=lambda f: f.started)[:NAMED_PER_DEATH]
         suspects = [
-            Suspect(
-                f.method,
-                f.path,
-                len(f.body),
-                xxhash.xxh3_64_hexdigest(f.body),
-                round(now - f.started, 3),
-            )
+            Suspect(f.method, f.path, f.body_bytes, f.body_hash, round(now - f.started, 3))
             for f in flights
         ]
         death = Death(server, time.time(), suspects)

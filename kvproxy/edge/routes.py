@@ -79,6 +79,18 @@ _PREDICT = (
     "included, on slots kvproxy does not own"
 )
 _MODELS = "{path} loads, unloads, downloads or deletes models and is not exposed by kvproxy"
+# A router loads the model such a route names (server-models.cpp proxy_post reads the body's
+# "model", proxy_get `?model=`), unloading another past --models-max: kvproxy saves first.
+_LOADS = "router: loads the model it names, what that unloads saved first"
+_LOADING_GETS = ("/props", "/lora-adapters")
+_TOKEN_COUNTS = (
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions/input_tokens",
+    "/chat/completions/input_tokens",
+    "/v1/responses/input_tokens",
+)
+_TOKENS = ("/tokenize", "/detokenize", "/apply-template")
+_LOADING_POSTS = (*_TOKENS, *_TOKEN_COUNTS)
 _SETTINGS = "POST {path} changes server-wide settings and is not exposed by kvproxy"
 
 
@@ -113,24 +125,13 @@ ROUTES: tuple[Route, ...] = (
     *_each(SLOT_PICKING_ROUTES, POST, Treatment.EVERY_SLOT),
     # --- no slot
     *_each(("/health", "/v1/health"), GET, Treatment.PASS, "llama-server's, unchanged"),
-    Route("/props", GET, Treatment.PASS),
-    Route("/lora-adapters", GET, Treatment.PASS),
+    *_each(_LOADING_GETS, GET, Treatment.PASS, f"{_LOADS} (`?model=`)"),
     *_each(("/v1/models", "/models", "/api/tags"), GET, Treatment.PASS, "model list"),
     Route("/models/sse", GET, Treatment.PASS, "router mode: model status events (read-only)"),
     Route("/api/show", POST, Treatment.PASS, "Ollama model info"),
     Route("/api/chat", POST, Treatment.PASS, "Ollama chat: not keyed, as before"),
-    *_each(("/tokenize", "/detokenize", "/apply-template"), POST, Treatment.PASS),
-    *_each(
-        (
-            "/v1/messages/count_tokens",
-            "/v1/chat/completions/input_tokens",
-            "/chat/completions/input_tokens",
-            "/v1/responses/input_tokens",
-        ),
-        POST,
-        Treatment.PASS,
-        "token counts",
-    ),
+    *_each(_TOKENS, POST, Treatment.PASS, _LOADS),
+    *_each(_TOKEN_COUNTS, POST, Treatment.PASS, f"token counts; {_LOADS}"),
     *_each(("/", "/sw.js"), GET, Treatment.PASS, "the server's web UI"),
     # --- kvproxy's own
     Route(
@@ -249,6 +250,17 @@ class RouteTable:
             if _path_matches(route.path, path):
                 return Decision(Treatment.PASS)
         return Decision(None)
+
+
+# Pass-through routes on which a router loads the model the request names (see _LOADS).
+MODEL_LOADING = frozenset(
+    {*(("GET", p) for p in _LOADING_GETS), *(("POST", p) for p in _LOADING_POSTS)}
+)
+
+
+def loads_model(method: str, path: str) -> bool:
+    """Whether a router loads the model `method path` names (HEAD is served as GET)."""
+    return ("GET" if method == "HEAD" else method, path) in MODEL_LOADING
 
 
 def paths(treatment: Treatment) -> frozenset[str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 BOM = b"\xef\xbb\xbf"
 # Deepest nesting kvproxy parses, walks and writes back; beyond it a body is opaque. Well
@@ -46,6 +47,14 @@ def parse(body: bytes) -> Body:
     if deeper_than(value, MAX_DEPTH, data):
         return Body()
     return Body(value, usable=True)
+
+
+def let_go(request: web.Request) -> None:
+    """Drops the raw bytes aiohttp keeps of a body read whole (`request.read()` caches them for
+    the request's life), once kvproxy holds the body parsed and sends it rewritten from that:
+    otherwise every queued body is held twice (edge/heldbodies.py). The caller must hold no
+    reference either, and nothing may read the body from the request after this."""
+    request._read_bytes = None  # aiohttp's cache of read(): a body is read once, here
 
 
 def _second_opinion(data: bytes, error: str) -> Body:

@@ -140,4 +140,6 @@ def with_reply_cap(payload: dict[str, Any], cap: int) -> dict[str, Any]:
     2 * --n-predict tokens of extra chunks)."""
     if cap < 0 or any(field in payload for field in REPLY_LIMITS):
         return payload
-    return {**payload, "n_predict": cap}
+    # A Responses body is converted by the server, which keeps its own fields only.
+    field = "max_output_tokens" if "input" in payload and "messages" not in payload else "n_predict"
+    return {**payload, field: cap}
