@@ -48,6 +48,9 @@ def default_cache_dir() -> Path:
 
 # Settings that only shape the llama-server managed mode starts.
 MANAGED_ONLY = ("slots", "ctx_size", "servers", "reply_cap")
+# llama-server's own default reply length (common/arg.cpp): given among the extra flags, it is
+# the cap the user chose, and kvproxy adds none over it.
+SERVER_REPLY_FLAGS = ("-n", "--predict", "--n-predict")
 
 
 class Settings(BaseSettings):
@@ -348,7 +351,12 @@ class Settings(BaseSettings):
     def request_reply_cap(self) -> int:
         """The reply cap kvproxy adds to requests that set none: managed mode only (beside
         a server someone else runs, requests go as they would to it)."""
-        return -1 if self.upstream else self.reply_cap
+        server_cap = _names_flag(self.server_args, SERVER_REPLY_FLAGS) or (
+            "LLAMA_ARG_N_PREDICT" in os.environ  # the server inherits kvproxy's environment
+        )
+        if self.upstream or server_cap:
+            return -1
+        return self.reply_cap
 
     @property
     def api_key(self) -> str | None:
@@ -370,3 +378,7 @@ def settings_with_file(config_file: Path) -> type[Settings]:
         model_config = SettingsConfigDict(toml_file=config_file)
 
     return FileSettings
+
+
+def _names_flag(args: list[str], flags: tuple[str, ...]) -> bool:
+    return any(arg.split("=", 1)[0] in flags for arg in args)

@@ -70,6 +70,16 @@ def test_the_reply_cap_fills_in_only_a_missing_reply_length() -> None:
     assert Settings(upstream="http://127.0.0.1:8080").request_reply_cap == -1, "sidecar"
 
 
+def test_a_reply_length_given_to_the_server_is_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvproxy serve -- -n 64`: the user's server flag caps replies, kvproxy adds none over
+    it (a filled-in n_predict would win over the server's -n)."""
+    for args in (["-n", "64"], ["--n-predict", "64"], ["--predict=64"], ["-c", "4096", "-n", "8"]):
+        assert Settings(model="default", server_args=args).request_reply_cap == -1, args
+    assert Settings(model="default", server_args=["-c", "4096"]).request_reply_cap == 2048
+    monkeypatch.setenv("LLAMA_ARG_N_PREDICT", "64")
+    assert Settings(model="default").request_reply_cap == -1
+
+
 async def test_managed_mode_caps_a_reply_that_sets_no_length(tmp_path: Path) -> None:
     """What the server receives from kvproxy in managed mode (its settings, no --upstream):
     the default cap where the client set none; the client's own length where it did."""

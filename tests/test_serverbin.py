@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvproxy.config import Settings
+from kvproxy.config import SERVER_REPLY_FLAGS, Settings
 from kvproxy.server.launch import managed_command
 from kvproxy.server.managed import find_server_binary, free_port, server_command
 from kvproxy.server.serverbin import Kind, ServerBinary, kind_of, probe
@@ -61,6 +61,17 @@ def test_the_packaged_binaries_are_probed_for_what_they_are() -> None:
     server, unified = package_bin("llama-server"), package_bin("llama")
     assert probe(server) == ServerBinary(server, Kind.SERVER)
     assert probe(unified) == ServerBinary(unified, Kind.UNIFIED)
+
+
+def test_the_reply_length_flags_kvproxy_defers_to_are_the_servers() -> None:
+    """The flags (and environment variable) that make managed mode add no reply cap of its
+    own, as the packaged llama-server names them."""
+    help_text = subprocess.run(
+        [package_bin("llama-server"), "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    line = next(line for line in help_text.splitlines() if "--n-predict" in line)
+    assert all(flag in line for flag in SERVER_REPLY_FLAGS), line
+    assert "LLAMA_ARG_N_PREDICT" in help_text
 
 
 def test_a_unified_binary_gets_serve_before_the_server_flags(tmp_path: Path) -> None:
