@@ -246,6 +246,32 @@ def test_a_pass_through_route_naming_the_other_model_loses_no_conversation(
         assert after["timings"]["cache_n"] >= 0.99 * reusable, (after["timings"], reusable)
 
 
+def test_a_request_asking_for_no_load_is_refused_as_the_router_refuses_it(
+    router: Router,
+) -> None:
+    """`?autoload=false` naming the model the router unloaded: its own 400 "model is not
+    loaded", and the loaded model keeps its slots (its next turn is resident)."""
+    proxy = SimpleNamespace(url=f"http://127.0.0.1:{router.port}")
+    turns = [{"role": "user", "content": "Name a dog. " + FILLER}]
+
+    async def run() -> tuple[int, dict[str, Any], dict[str, str]]:
+        status, reply, _ = await chat(proxy, turns, model="gemma", max_tokens=4)
+        assert status == 200
+        async with aiohttp.ClientSession() as s:
+            url = proxy.url + "/v1/chat/completions?autoload=false"
+            body = {"model": "tiny", "messages": turns, "max_tokens": 4}
+            async with s.post(url, json=body) as resp:
+                refused = await resp.json()
+                assert resp.status == 400, refused
+                assert refused["error"]["message"] == "model is not loaded", refused
+        return await chat(proxy, then(turns, reply), model="gemma", max_tokens=4)
+
+    status, _, headers = asyncio.run(run())
+    assert status == 200 and headers["X-KVProxy-Cache"] == "resident", headers
+    listed = get_json(router.server_url + "/models")["data"]
+    assert {m["id"]: m["status"]["value"] for m in listed}["tiny"] == "unloaded"
+
+
 def test_clients_reach_each_model_through_kvproxy_and_stop_stops_them(router: Router) -> None:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="none")
     for model in ("tiny", "gemma"):

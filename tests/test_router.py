@@ -55,7 +55,7 @@ def test_a_route_names_its_model_as_the_router_routes_it() -> None:
     assert route.query("/slots", get=True) == "/slots?model=org%2Fm%3AQ4&autoload=false"
     assert route.query("/slots/0?action=save", get=False) == "/slots/0?action=save&autoload=false"
     assert route.body({"filename": "f"}) == {"filename": "f", "model": "org/m:Q4"}
-    assert ModelRoute("m", autoload=True).query("/tokenize", get=False) == "/tokenize"
+    assert ModelRoute("m", autoload=True).query("/tokenize", get=False) == "/tokenize?autoload=true"
 
 
 async def test_every_call_reaches_the_named_model_and_loads_none(

@@ -127,6 +127,61 @@ async def test_a_model_management_route_saves_what_it_unloads_first(
             await proxy.stop()
 
 
+async def test_a_request_asking_for_no_load_gets_the_routers_refusal_and_loads_nothing(
+    routed: tuple[FakeRouter, RunningProxy],
+) -> None:
+    """`?autoload=false` on a model the router has not loaded: the router alone answers 400
+    "model is not loaded" and unloads nothing; through kvproxy too, on every kind of route."""
+    router, proxy = routed
+    status, r1, _ = await chat(proxy, conv(1), model="chat")
+    assert status == 200
+    await settle(proxy)
+    async with aiohttp.ClientSession() as s:
+        for method, route, body in (
+            (
+                "POST",
+                "/v1/chat/completions?autoload=false",
+                {"model": "coder", "messages": conv(2)},
+            ),
+            (
+                "POST",
+                "/completion?autoload=false",
+                {"model": "coder", "prompt": "Hi", "n_predict": 2},
+            ),
+            ("GET", "/props?model=coder&autoload=false", None),
+        ):
+            async with s.request(method, proxy.url + route, json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == 400, (route, answer)
+                assert answer["error"]["message"] == "model is not loaded", (route, answer)
+    assert router.models["coder"].loads == 0 and router.unloads == []
+    status, r2, h2 = await chat(proxy, then(conv(1), r1), model="chat")
+    assert status == 200 and h2["X-KVProxy-Cache"] == "resident", h2
+
+
+async def test_a_router_that_autoloads_nothing_is_asked_as_it_is(tmp_path: Path) -> None:
+    """`--no-models-autoload`: a request for a model not loaded is refused unless it asks
+    `?autoload=true`, as the router alone answers it."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    models = fake_models(["coder", "chat"])
+    async with FakeRouter(models, models_max=1, slot_save_path=cache, autoload=False) as router:
+        proxy = await start_proxy(router.url, cache)
+        try:
+            status, refused, _ = await chat(proxy, conv(1), model="chat")
+            assert status == 400 and refused["error"]["message"] == "model is not loaded"
+            assert router.models["chat"].loads == 0
+            async with aiohttp.ClientSession() as s:
+                body = {"model": "chat", "messages": conv(1)}
+                url = proxy.url + "/v1/chat/completions?autoload=true"
+                async with s.post(url, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["X-KVProxy-Cache"] == "miss"
+            assert router.models["chat"].loads == 1
+        finally:
+            await proxy.stop()
+
+
 async def test_a_pinned_completion_goes_to_its_models_lane(
     routed: tuple[FakeRouter, RunningProxy],
 ) -> None:

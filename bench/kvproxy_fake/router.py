@@ -317,7 +317,7 @@ class FakeRouter:
         if model is None:
             return error_response(f"model '{name}' not found")
         autoload = request.query.get("autoload")
-        wants_load = self.autoload if autoload is None else autoload in ("true", "1")
+        wants_load = autoload in ("true", "1") if autoload else self.autoload
         if model.child is None:
             if not wants_load:
                 return error_response("model is not loaded")

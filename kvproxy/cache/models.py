@@ -83,6 +83,7 @@ class RouterModels:
         self.on_new: Callable[[], None] | None = None
         self.names: dict[str, str] = {}  # a name or alias -> model id
         self.models_max = models_max
+        self.autoload = True  # the router's --models-autoload (GET /props "models_autoload")
         self.status: dict[str, str] = {}
         self._busy: dict[str, int] = {}
         self._changed = asyncio.Condition()
@@ -141,6 +142,14 @@ class RouterModels:
     def has_room(self, lane: Lane) -> bool:
         """Whether the router can load `lane`'s model without unloading another."""
         return victim(self.views(), lane.backend.model or "", self.models_max) is None
+
+    async def refuses(self, lane: Lane, asked: str | None) -> bool:
+        """Whether the router answers a request for `lane`'s model "model is not loaded"
+        (server-models.cpp is_autoload): the request's `?autoload=`, else the router's own
+        setting, says load none, and the model does not run. Such a request goes as it is:
+        kvproxy loads nothing a client asked it not to."""
+        loads = asked in ("true", "1") if asked else self.autoload
+        return not loads and not await self._running_or_unknown(lane.backend.model or "")
 
     async def serve(self, lane: Lane) -> None:
         """Before a request goes to `lane`'s model: it runs, loaded if need be, and the
@@ -246,6 +255,7 @@ async def find_models(
         return None
     limit = props.get("max_instances")
     found = RouterModels(upstream, limit if isinstance(limit, int) else 0, make_lane)
+    found.autoload = props.get("models_autoload") is not False
     found.notice(models)
     found.on_new = on_new  # for models listed later: these are the caller's to list now
     log.info(

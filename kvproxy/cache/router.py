@@ -129,20 +129,25 @@ class Router:
         return self.pick()
 
     @contextlib.asynccontextmanager
-    async def lane_for(self, request: web.Request) -> AsyncIterator[Lane]:
+    async def lane_for(self, request: web.Request) -> AsyncIterator[tuple[Lane, bool]]:
         """The lane for a request the cache does not key (pinned, or passed through to a
         route on which a router loads a model): with router models, the one it names,
-        brought up (models.py: what that unloads saved first) and busy until it is done."""
+        brought up (models.py: what that unloads saved first) and busy until it is done.
+        With it, whether the request must go as it is: it names a model the router will not
+        load for it (`?autoload=false`), and the router's refusal is the answer."""
         found = []
         if self.models:
             found = await self._model_lanes(await _naming(request))
         if not found:
-            yield self.pick()
+            yield self.pick(), False
             return
         group, lane = self._choose_model(found)
+        if await group.refuses(lane, request.query.get("autoload")):
+            yield lane, True
+            return
         await group.serve(lane)
         try:
-            yield lane
+            yield lane, False
         finally:
             await group.done(lane)
 
@@ -205,6 +210,9 @@ class Router:
         payload = value if isinstance(value, dict) else None
         while True:
             group, lane = self._choose_model(left, request, adapter, payload)
+            if await group.refuses(lane, request.query.get("autoload")):
+                bypass = await lane.unkeyed.relay_bypass(request, path_qs, incoming.raw())
+                return bypass.response
             await group.serve(lane)
             try:
                 answer: web.StreamResponse | None = await self.ready(lane)

@@ -246,7 +246,10 @@ async def _serve(
         if adapter is not None:
             return await router.handle_keyed(request, _path_qs(path, request), adapter)
         if path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
-            async with router.lane_for(request) as lane:
+            async with router.lane_for(request) as (lane, as_it_is):
+                if as_it_is:
+                    path_qs, upstream = _path_qs(path, request), lane.backend.upstream
+                    return await forward(request, service, path_qs, upstream=upstream)
                 not_yet = await router.ready(lane)
                 if not_yet is not None:
                     return not_yet
@@ -264,7 +267,7 @@ async def _serve(
     if router.models and routes.loads_model(request.method, path):
         # A router loads the model this names, unloading another past --models-max: that
         # one's slots are saved first, as before a chat turn (cache/models.py).
-        async with router.lane_for(request) as lane:
+        async with router.lane_for(request) as (lane, _):
             return await forward(
                 request, service, _path_qs(path, request), upstream=lane.backend.upstream
             )

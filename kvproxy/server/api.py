@@ -69,17 +69,16 @@ class ModelRoute:
     """One model of a router-mode llama-server, named the way the router routes a request
     (server-models.cpp): a POST by its body's "model", a GET by `?model=`. `autoload` False
     adds `autoload=false`: a call for a model the router has not loaded is then refused
-    (400 "model is not loaded") instead of loading it, which could unload another model."""
+    (400 "model is not loaded") instead of loading it, which could unload another model;
+    True adds `autoload=true`, which loads it whatever the router's own default."""
 
     name: str
     autoload: bool = False
 
     def query(self, path: str, get: bool) -> str:
         params = [f"model={quote(self.name, safe='')}"] if get else []
-        if not self.autoload:
-            params.append("autoload=false")
-        if not params:
-            return path
+        # Said either way: a router started with --no-models-autoload loads nothing unasked.
+        params.append("autoload=true" if self.autoload else "autoload=false")
         return path + ("&" if "?" in path else "?") + "&".join(params)
 
     def body(self, body: Mapping[str, Any]) -> dict[str, Any]:
