@@ -273,3 +273,12 @@ def make_arm(
     if name == KVPROXY:
         return ProxyArm(env, slots, ctx_per_slot, proxy_args)
     return DirectArm(env, slots, ctx_per_slot, ram_cache=name == DIRECT_RAM_CACHE)
+
+
+def side_by_side(env: BenchEnv, slots: int, ctx_per_slot: int) -> list[Arm]:
+    """The server alone with its RAM cache, then kvproxy in front of it: the pair a
+    scenario runs when it reports kvproxy against what the server does by itself."""
+    return [
+        make_arm(DIRECT_RAM_CACHE, env, slots, ctx_per_slot),
+        make_arm(KVPROXY, env, slots, ctx_per_slot),
+    ]

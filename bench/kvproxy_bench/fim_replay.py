@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvproxy.keys import shared_prefix
-from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, DirectArm, ProxyArm
+from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, side_by_side
 from kvproxy_bench.client import Client
 from kvproxy_bench.fim import FimConfig, FimRequest, editing_session
 from kvproxy_bench.prefill import Request, detail_table, summary_table
@@ -115,11 +115,7 @@ async def run_fim(env: BenchEnv, opts: FimOptions) -> FimResult:
     result = FimResult(options=asdict(opts))
     client = Client()
     try:
-        arms: list[Arm] = [
-            DirectArm(env, opts.slots, opts.ctx_per_slot, ram_cache=True),
-            ProxyArm(env, opts.slots, opts.ctx_per_slot),
-        ]
-        for arm in arms:
+        for arm in side_by_side(env, opts.slots, opts.ctx_per_slot):
             progress(f"fim: {arm.name}")
             async with arm:
                 await _replay(client, arm, opts, result)

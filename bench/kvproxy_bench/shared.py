@@ -20,7 +20,7 @@ import asyncio
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, DirectArm, ProxyArm
+from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, side_by_side
 from kvproxy_bench.client import Client, Reply
 from kvproxy_bench.dialogues import facts_for, system_prompt
 from kvproxy_bench.prefill import Request, detail_table, summary_table
@@ -109,11 +109,7 @@ async def run_shared(env: BenchEnv, opts: SharedOptions) -> SharedResult:
     result = SharedResult(options=asdict(opts))
     client = Client()
     try:
-        arms: list[Arm] = [
-            DirectArm(env, opts.slots, opts.ctx_per_slot, ram_cache=True),
-            ProxyArm(env, opts.slots, opts.ctx_per_slot),
-        ]
-        for arm in arms:
+        for arm in side_by_side(env, opts.slots, opts.ctx_per_slot):
             progress(f"shared: {arm.name}")
             async with arm:
                 await _sessions(_Run(client, arm, opts, result))
