@@ -28,20 +28,22 @@ NAMED_PER_DEATH = 16
 
 
 @dataclass(frozen=True)
-class Flight:
+class Named:
+    """A request as a death names it."""
+
     method: str
     path: str
     body_bytes: int
     body_hash: str  # xxh3-64 of the body, hex
+
+
+@dataclass(frozen=True)
+class Flight(Named):
     started: float  # time.monotonic()
 
 
 @dataclass(frozen=True)
-class Suspect:
-    method: str
-    path: str
-    body_bytes: int
-    body_hash: str  # xxh3-64 of the body, hex
+class Suspect(Named):
     running_s: float
 
 
