@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from kvproxy_bench import chaos
+from kvproxy_bench import chaos, chaos_records, chaos_report
 from kvproxy_bench.arms import BenchEnv
 from kvproxy_bench.chaos_plan import Fault, Kind, Outcome
 
@@ -31,16 +31,16 @@ async def test_chaos_with_ten_faults_keeps_every_promise(
     # kvproxy's.
     env.server_args += ["--no-warmup", "--ubatch-size", "1"]
     env.threads = 1  # shares a busy machine far better than threads that spin-wait
-    opts = chaos.ChaosOptions(seed=16, requests=80, faults=10, n_facts=6)
+    opts = chaos_records.ChaosOptions(seed=16, requests=80, faults=10, n_facts=6)
     opts.slow_clients, opts.slow_interval, opts.latency_requests = 8, 0.5, 3
     opts.full_disk, opts.disk_mib, opts.full_for = True, 64, 10
     opts.timing_pairs = 4
     result = await chaos.run_chaos(env, opts)
 
     verdict = result.verdict()
-    assert verdict.violations() == [], chaos.markdown(result)
+    assert verdict.violations() == [], chaos_report.markdown(result)
     # Every check but the latency ratio, which is printed, not asserted (a shared machine).
-    assert all(c.met for c in chaos.checks(result) if "latency" not in c.target)
+    assert all(c.met for c in chaos_report.checks(result) if "latency" not in c.target)
 
     # Both kinds of fault happened, and with requests in flight.
     kinds = {f.fault for f in result.faults}
@@ -70,4 +70,4 @@ async def test_chaos_with_ten_faults_keeps_every_promise(
     # The timing pairs ran, and nothing in kvproxy's headers told them apart.
     assert len(result.timing.pairs) == 4 and result.timing.differing() == 0
     # kvproxy's table says so too.
-    assert "**Every promise held.**" in chaos.markdown(result)
+    assert "**Every promise held.**" in chaos_report.markdown(result)

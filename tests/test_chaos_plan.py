@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from kvproxy_bench import chaos
+from kvproxy_bench import chaos, chaos_records
 from kvproxy_bench.chaos_audit import audit
 from kvproxy_bench.chaos_plan import (
     Fault,
@@ -153,13 +153,13 @@ def test_answers_are_read_from_every_api() -> None:
     assert (messages.text, messages.done) == ("hi", True)
 
 
-def _result(*broken: Outcome) -> chaos.ChaosResult:
+def _result(*broken: Outcome) -> chaos_records.ChaosResult:
     """A run's result as chaos.py builds it: 10 faults, a restored conversation answering as
     the server alone, a probe that read nothing; `broken` adds requests that ended so."""
-    result = chaos.ChaosResult(options={"faults": 10})
-    result.faults = [chaos.FaultRecord(Fault.KILL_PROXY.value, 1.0, 1.0, 2)] * 10
-    result.final = [chaos.FinalRecord(1000, "chat", "restored", 300, "same", "same")]
-    result.probes = [chaos.ProbeRecord(1000, "miss", 12, 20, False)]
+    result = chaos_records.ChaosResult(options={"faults": 10})
+    result.faults = [chaos_records.FaultRecord(Fault.KILL_PROXY.value, 1.0, 1.0, 2)] * 10
+    result.final = [chaos_records.FinalRecord(1000, "chat", "restored", 300, "same", "same")]
+    result.probes = [chaos_records.ProbeRecord(1000, "miss", 12, 20, False)]
     result.tally.add(Kind.CHAT, Outcome.OK)
     for outcome in broken:
         result.tally.add(Kind.CHAT, outcome)
@@ -174,7 +174,7 @@ def test_the_command_fails_when_a_promise_breaks(
 
     from kvproxy import cli
 
-    async def run_chaos(env: object, opts: chaos.ChaosOptions) -> chaos.ChaosResult:
+    async def run_chaos(env: object, opts: chaos_records.ChaosOptions) -> chaos_records.ChaosResult:
         assert (opts.seed, opts.faults) == (7, 10)
         return _result(*broken)
 

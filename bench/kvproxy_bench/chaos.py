@@ -14,7 +14,8 @@ At the end kvproxy stops (SIGTERM: it saves every slot), the server is killed an
 kvproxy should restore from disk. kvproxy stops, the cache dir is audited, and each of those
 turns is sent straight to the server, every slot erased first: the answers must be the same.
 
-Decisions live in chaos_plan.py, the wire in chaos_wire.py, the audit in chaos_audit.py.
+Decisions live in chaos_plan.py, the wire in chaos_wire.py, the audit in chaos_audit.py,
+the records in chaos_records.py, the checks and tables in chaos_report.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,13 @@ import aiohttp
 from kvproxy.keys import shared_prefix
 from kvproxy.server.managed import ManagedServer, free_port, server_command
 from kvproxy_bench.arms import BenchEnv, ProxyArm
-from kvproxy_bench.chaos_audit import Audit, audit
+from kvproxy_bench.chaos_audit import audit
 from kvproxy_bench.chaos_disk import DiskRecord, TinyDisk
 from kvproxy_bench.chaos_plan import (
     BROKEN,
     Fault,
     Kind,
     Outcome,
-    Tally,
-    Verdict,
     Wire,
     cross_tenant,
     fault_due,
@@ -53,51 +52,19 @@ from kvproxy_bench.chaos_plan import (
     turn_kind,
     wire_of,
 )
-from kvproxy_bench.chaos_slow import SlowEffect, Slowloris, SlowStats
-from kvproxy_bench.chaos_tenants import COLUMNS, TimingPair, TimingProbes, renumbered, visible
+from kvproxy_bench.chaos_records import (
+    ChaosOptions,
+    ChaosResult,
+    FaultRecord,
+    FinalRecord,
+    ProbeRecord,
+)
+from kvproxy_bench.chaos_slow import Slowloris
+from kvproxy_bench.chaos_tenants import TimingPair, renumbered, visible
 from kvproxy_bench.chaos_wire import Sent, route_body, send
 from kvproxy_bench.client import Client
 from kvproxy_bench.dialogues import first_turn, question
-from kvproxy_bench.report import progress, table
-from kvproxy_bench.targets import Check
-
-
-@dataclass
-class ChaosOptions:
-    seed: int = 1
-    # Requests answered whole (200; /metrics scrapes left out), at least; the run also goes
-    # on until every fault is in.
-    # Faults are spread over these, so work gets done between two faults however many
-    # requests a fault cuts off.
-    requests: int = 80
-    faults: int = 10
-    duration: float = 900.0  # hard bound on the workload, seconds
-    clients: int = 4
-    tenants: int = 4
-    conversations: int = 8
-    slots: int = 2
-    ctx_per_slot: int = 2048
-    n_facts: int = 10  # ~250-token system prompts
-    max_tokens: int = 8
-    max_turns: int = 6
-    stuck_after: float = 120.0  # a request with no answer this long is stuck
-    # A request waiting for a slot gets its 503 (--queue-timeout) well before it would count
-    # as stuck, however many clients queue up.
-    proxy_args: tuple[str, ...] = ("--min-tokens", "64", "--queue-timeout", "60s")
-    # Slow clients (chaos_slow.py): connections trickling heads and bodies all through the
-    # workload; other clients' latency measured first without them, then with them.
-    slow_clients: int = 0
-    slow_interval: float = 1.0  # seconds between two trickled pieces
-    latency_requests: int = 0  # per request kind and phase; 0: no latency phases
-    # A full disk (chaos_disk.py): the cache dir on a tmpfs of `disk_mib`, filled once
-    # `requests` × 0.3 requests were answered and freed `full_for` answered requests later.
-    full_disk: bool = False
-    disk_mib: int = 1024
-    full_for: int = 20
-    # llama-servers behind the one kvproxy (sharing its cache dir); a server fault kills one
-    # of them in turn, with requests in flight on it and the others serving.
-    servers: int = 1
-    timing_pairs: int = 0  # cross-tenant timing probes after the workload (chaos_tenants.py)
+from kvproxy_bench.report import progress
 
 
 @dataclass
@@ -117,97 +84,6 @@ class Convo:
         if self.turns == 0:
             return [*self.history, first_turn(self.id)[1]]
         return [*self.history, {"role": "user", "content": question(self.turns + 1)}]
-
-
-@dataclass
-class FaultRecord:
-    fault: str
-    at_s: float
-    down_s: float
-    in_flight: int
-
-
-@dataclass
-class ProbeRecord:
-    conversation: int
-    cache_state: str
-    cache_n: int
-    allowed: int
-    crossed: bool
-
-
-@dataclass
-class FinalRecord:
-    conversation: int
-    wire: str
-    cache_state: str
-    restored_tokens: int
-    proxied: str | None
-    direct: str | None
-    # Where the answers part, the margin of the server's own top two if within TIE_NATS.
-    tie: float | None = None
-
-    @property
-    def same(self) -> bool:
-        return self.proxied is not None and self.proxied == self.direct
-
-
-@dataclass
-class ChaosResult:
-    options: dict[str, Any]
-    tally: Tally = field(default_factory=Tally)
-    faults: list[FaultRecord] = field(default_factory=list)
-    probes: list[ProbeRecord] = field(default_factory=list)
-    final: list[FinalRecord] = field(default_factory=list)
-    audit: Audit = field(default_factory=Audit)
-    proxy_stats: dict[str, Any] = field(default_factory=dict)
-    details: list[str] = field(default_factory=list)  # what the broken requests said
-    wall_s: float = 0.0
-    slow: SlowStats | None = None
-    slow_effect: SlowEffect = field(default_factory=SlowEffect)
-    disk: DiskRecord | None = None
-    disk_skipped: str = ""  # why the full disk asked for did not run
-    timing: TimingProbes = field(default_factory=TimingProbes)
-
-    def verdict(self) -> Verdict:
-        compared = [f for f in self.final if f.proxied is not None and f.direct is not None]
-        return Verdict(
-            kvproxy_500s=self.tally.total(Outcome.KVPROXY_500),
-            stuck=self.tally.total(Outcome.STUCK),
-            invalid_entries=len(self.audit.invalid),
-            answers_differing=sum(not f.same and f.tie is None for f in compared),
-            cross_tenant_reads=sum(p.crossed for p in self.probes),
-            faults_injected=len(self.faults),
-            faults_wanted=int(self.options["faults"]),
-            restored_checked=sum(f.cache_state == "restored" for f in compared),
-            probes=len(self.probes),
-            disk_wanted=bool(self.options.get("full_disk")),
-            disk_ran=self.disk is not None and self.disk.filler_mib > 0,
-            disk_resumed=self.disk is not None and self.disk.saves_after > 0,
-            timing_wanted=bool(self.options.get("timing_pairs")),
-            timing_pairs=len(self.timing.pairs),
-            timing_differing=self.timing.differing(),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "options": self.options,
-            "requests": [
-                {"kind": k, "outcome": o, "count": n} for (k, o), n in self.tally.counts.items()
-            ],
-            "faults": [asdict(f) for f in self.faults],
-            "probes": [asdict(p) for p in self.probes],
-            "final": [{**asdict(f), "same": f.same} for f in self.final],
-            "audit": asdict(self.audit),
-            "proxy_stats": self.proxy_stats,
-            "slow": None if self.slow is None else asdict(self.slow),
-            "slow_effect": asdict(self.slow_effect),
-            "disk": None if self.disk is None else asdict(self.disk),
-            "disk_skipped": self.disk_skipped,
-            "timing": asdict(self.timing),
-            "violations": self.verdict().violations(),
-            "wall_s": self.wall_s,
-        }
 
 
 class SidecarProxy(ProxyArm):
@@ -765,210 +641,3 @@ async def run_chaos(env: BenchEnv, opts: ChaosOptions) -> ChaosResult:
         f"{opts.tenants} tenants, {opts.conversations} conversations, seed {opts.seed}"
     )
     return await Chaos(env, opts).run()
-
-
-def checks(result: ChaosResult) -> list[Check]:
-    """The promises of issue #16, one line each, for the targets table and the exit code."""
-    v = result.verdict()
-    compared = [f for f in result.final if f.proxied is not None and f.direct is not None]
-    return [
-        Check(
-            f"chaos: ≥ {v.faults_wanted} faults injected",
-            str(v.faults_injected),
-            v.faults_injected >= v.faults_wanted,
-        ),
-        Check("chaos: 0 kvproxy 500s", str(v.kvproxy_500s), v.kvproxy_500s == 0),
-        Check("chaos: 0 stuck requests", str(v.stuck), v.stuck == 0),
-        Check(
-            "chaos: 0 invalid committed entries",
-            f"{v.invalid_entries} of {result.audit.committed}",
-            v.invalid_entries == 0,
-        ),
-        Check(
-            "chaos: restored conversations answer as the server alone",
-            f"{v.answers_differing} of {len(compared)} differ ({v.restored_checked} restored, "
-            f"{sum(f.tie is not None for f in compared)} parted at the server's own tie)",
-            v.answers_differing == 0 and v.restored_checked > 0,
-        ),
-        Check(
-            "chaos: 0 cross-tenant reads",
-            f"{v.cross_tenant_reads} in {v.probes} probes",
-            v.cross_tenant_reads == 0 and v.probes > 0,
-        ),
-        *extra_checks(result),
-    ]
-
-
-def extra_checks(result: ChaosResult) -> list[Check]:
-    """The checks of the faults a run may add: slow clients, a full disk, timing probes."""
-    v, out = result.verdict(), []
-    worst = result.slow_effect.worst()
-    if worst is not None:
-        out.append(
-            Check(
-                "chaos: other clients' p50 latency under slow clients within 2× of without",
-                f"{worst:.2f}× (the worse of chat and /tokenize)",
-                worst <= 2.0,
-            )
-        )
-    if v.disk_wanted:
-        d = result.disk
-        out.append(
-            Check(
-                "chaos: a full disk mid-run, then freed: caching resumes",
-                result.disk_skipped
-                or f"{0 if d is None else d.saves_after} state files saved after it was freed",
-                v.disk_ran and v.disk_resumed,
-            )
-        )
-    if v.timing_wanted:
-        out.append(
-            Check(
-                "chaos: byte-identical prompts of another tenant look like a fresh one",
-                f"{v.timing_differing} of {v.timing_pairs} pairs told apart by headers/cache_n",
-                v.timing_pairs > 0 and v.timing_differing == 0,
-            )
-        )
-    return out
-
-
-def markdown(result: ChaosResult) -> str:
-    by_outcome = result.tally.by_outcome()
-    outcomes = list(by_outcome)
-    rows = []
-    for kind in Kind:
-        counts = [result.tally.counts[(kind, o)] for o in outcomes]
-        if any(counts):
-            rows.append([kind.value, sum(counts), *counts])
-    rows.append(["all", result.tally.total(), *by_outcome.values()])
-    parts = [table(["requests", "total", *[o.value for o in outcomes]], rows)]
-
-    parts.append(
-        table(
-            ["#", "fault", "at (s)", "back after (s)", "requests in flight"],
-            [
-                [i + 1, f.fault, round(f.at_s, 1), round(f.down_s, 1), f.in_flight]
-                for i, f in enumerate(result.faults)
-            ],
-        )
-    )
-    a = result.audit
-    parts.append(
-        table(
-            ["cache dir", "committed", "valid", "invalid", "orphaned files", "state MiB"],
-            [
-                [
-                    "after the run",
-                    a.committed,
-                    a.valid,
-                    len(a.invalid),
-                    len(a.orphaned),
-                    round(a.state_bytes / 1024**2, 1),
-                ]
-            ],
-        )
-    )
-    compared = [f for f in result.final if f.proxied is not None and f.direct is not None]
-    restored = [f for f in compared if f.cache_state == "restored"]
-    parts.append(
-        table(
-            [
-                "after a restart of both",
-                "conversations",
-                "restored",
-                "same answer as the server alone",
-                "parted at the server's own tie",
-            ],
-            [
-                [
-                    "next turn",
-                    len(result.final),
-                    len(restored),
-                    f"{sum(f.same for f in compared)} of {len(compared)}",
-                    sum(not f.same and f.tie is not None for f in compared),
-                ]
-            ],
-        )
-    )
-    parts.append(
-        table(
-            ["cross-tenant probes", "probes", "called a hit", "max cache_n − allowed", "reads"],
-            [
-                [
-                    "byte-identical, another key",
-                    len(result.probes),
-                    sum(p.cache_state in ("resident", "restored") for p in result.probes),
-                    max((p.cache_n - p.allowed for p in result.probes), default=None),
-                    sum(p.crossed for p in result.probes),
-                ]
-            ],
-        )
-    )
-    parts += extra_tables(result)
-    v = result.verdict()
-    st = result.proxy_stats
-    parts.append(
-        f"kvproxy's counters before the final restart: {st.get('saves', 0)} saves, "
-        f"{st.get('restores', 0)} restores, {st.get('restore_failures', 0)} restore failures. "
-        f"Wall time {result.wall_s:.0f} s."
-    )
-    violations = v.violations()
-    parts.append(
-        "**Every promise held.**" if not violations else "**Broken:** " + "; ".join(violations)
-    )
-    if result.details:
-        parts.append("\n".join(f"- {d}" for d in result.details[:20]))
-    return "\n\n".join(parts)
-
-
-def extra_tables(result: ChaosResult) -> list[str]:
-    parts = []
-    effect = result.slow_effect
-    if effect.without:
-        parts.append(
-            table(
-                [
-                    f"other clients, with {effect.held} slow connections",
-                    "requests (without / with)",
-                    "p50 without (ms)",
-                    "p50 with (ms)",
-                    "with / without",
-                ],
-                effect.rows(),
-            )
-        )
-    if result.slow is not None:
-        parts.append(f"Slow clients through the workload: {result.slow.summary()}.")
-    d = result.disk
-    if d is not None:
-        parts.append(
-            table(
-                [
-                    "full disk",
-                    "filled at (s)",
-                    "freed at (s)",
-                    "requests while full",
-                    "saves while full",
-                    "faults kvproxy showed",
-                    "state files saved after",
-                ],
-                [
-                    [
-                        f"tmpfs {d.size_mib} MiB, {d.filler_mib:.0f} MiB filler",
-                        round(d.filled_at_s, 1),
-                        round(d.freed_at_s, 1),
-                        d.requests_while_full,
-                        "— (kvproxy restarted)"
-                        if d.saves_while_full is None
-                        else d.saves_while_full,
-                        d.faults_seen or "none",
-                        d.saves_after,
-                    ]
-                ],
-            )
-        )
-    elif result.disk_skipped:
-        parts.append(f"Full disk not run: {result.disk_skipped}.")
-    if result.timing.pairs:
-        parts.append(table(COLUMNS, [result.timing.row()]))
-    return parts

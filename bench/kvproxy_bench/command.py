@@ -147,17 +147,17 @@ async def _run(args: argparse.Namespace) -> int:
                 text = overhead.markdown(res)
                 checks += targets.overhead_checks(res)
             elif name == "chaos":
-                from kvproxy_bench import chaos
+                from kvproxy_bench import chaos, chaos_records, chaos_report
 
                 flags = (
                     *("seed", "requests", "faults", "duration", "clients", "tenants"),
                     *("conversations", "slow_clients", "latency_requests", "full_disk"),
                     *("disk_mib", "full_for", "timing_pairs", "servers"),
                 )
-                copts = chaos.ChaosOptions(**_given(args, *flags))
+                copts = chaos_records.ChaosOptions(**_given(args, *flags))
                 res = await chaos.run_chaos(env, copts)
-                text = chaos.markdown(res)
-                checks += chaos.checks(res)
+                text = chaos_report.markdown(res)
+                checks += chaos_report.checks(res)
             elif name == "canonical":
                 from kvproxy_bench import canonical_cost as canonical
 
