@@ -117,7 +117,8 @@ class Settings(BaseSettings):
         ge=-1,
         description="managed mode: the reply length in tokens kvproxy asks for when a request "
         "sets none (a small model may otherwise write to the end of the context); a "
-        "request's own max_tokens/n_predict wins; -1: none",
+        "request's own max_tokens/n_predict wins, and a server given -n caps replies "
+        "itself; -1: none",
     )
     server_args: list[str] = Field(
         default_factory=list, description="extra llama-server flags (put them after `--`)"
