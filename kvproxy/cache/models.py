@@ -83,7 +83,7 @@ class RouterModels:
         self.on_new: Callable[[], None] | None = None
         self.names: dict[str, str] = {}  # a name or alias -> model id
         self.models_max = models_max
-        self.autoload = True  # the router's --models-autoload (GET /props "models_autoload")
+        self.autoload = True  # False under --no-models-autoload (GET /props "models_autoload")
         self.status: dict[str, str] = {}
         self._busy: dict[str, int] = {}
         self._changed = asyncio.Condition()
