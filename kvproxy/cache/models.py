@@ -143,26 +143,25 @@ class RouterModels:
         """Whether the router can load `lane`'s model without unloading another."""
         return victim(self.views(), lane.backend.model or "", self.models_max) is None
 
-    async def refuses(self, lane: Lane, asked: str | None) -> bool:
-        """Whether the router answers a request for `lane`'s model "model is not loaded"
-        (server-models.cpp is_autoload): the request's `?autoload=`, else the router's own
-        setting, says load none, and the model does not run. Such a request goes as it is:
-        kvproxy loads nothing a client asked it not to."""
-        loads = asked in ("true", "1") if asked else self.autoload
-        return not loads and not await self._running_or_unknown(lane.backend.model or "")
-
-    async def serve(self, lane: Lane) -> None:
+    async def serve(self, lane: Lane, asked: str | None = None) -> bool:
         """Before a request goes to `lane`'s model: it runs, loaded if need be, and the
         model that load unloads had its unsaved slots saved. Call `done(lane)` after the
-        request (it counts as busy from here)."""
+        request (it counts as busy from here). False, with nothing loaded and nothing to
+        call after: the router answers the request "model is not loaded" (server-models.cpp
+        is_autoload: its `?autoload=` given as `asked`, else the router's own setting, says
+        load none, and the model does not run), so it goes as it is."""
         model = lane.backend.model
         assert model is not None
         self._busy[model] = self._busy.get(model, 0) + 1
         try:
-            await self._bring_up(lane, model)
+            loads = asked in ("true", "1") if asked else self.autoload
+            runs = await self._bring_up(lane, model, loads)
         except BaseException:
             await self.done(lane)
             raise
+        if not runs:
+            await self.done(lane)
+        return runs
 
     async def done(self, lane: Lane) -> None:
         model = lane.backend.model
@@ -171,14 +170,16 @@ class RouterModels:
         async with self._changed:
             self._changed.notify_all()
 
-    async def _bring_up(self, lane: Lane, model: str) -> None:
+    async def _bring_up(self, lane: Lane, model: str, loads: bool) -> bool:
         # A model that runs needs no lock: counted busy already, no swap unloads it now.
         if await self._running_or_unknown(model):
-            return
+            return True
+        if not loads:
+            return False
         async with self._changed:
             while True:
                 if await self._running_or_unknown(model):
-                    return
+                    return True
                 unloads = victim(self.views(), model, self.models_max)
                 if unloads != WAIT:
                     break
@@ -190,9 +191,10 @@ class RouterModels:
                 await lane.backend.client.load()
             except UpstreamError as exc:
                 log.warning("the router could not load model %s: %s", model, exc)
-                return
+                return True  # the request goes as it is: the router answers it
             await self.look()
         await lane.backend.rediscover_if_off()
+        return True
 
     async def _running_or_unknown(self, model: str) -> bool:
         """Whether GET /models shows `model` running, or does not answer (the request then

@@ -69,6 +69,7 @@ class Prompts:
         self.background = ctx.background
         self.work = work
         self.openings = openings  # what the server reuses of a slot or a stored state
+        self.reply_cap = ctx.settings.request_reply_cap
 
     async def serve(
         self, request: web.Request, path_qs: str, conv: Conversation
@@ -89,7 +90,7 @@ class Prompts:
                 log.warning("could not prepare slot %d for a prompt: %s", slot.id, exc)
                 slot.forget()
                 return unreachable_response()
-            payload = with_reply_cap(conv.payload, self.settings.request_reply_cap)
+            payload = with_reply_cap(conv.payload, self.reply_cap)
             body = orjson.dumps({**payload, "id_slot": slot.id})
             try:
                 result = await relay(

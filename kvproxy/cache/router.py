@@ -142,10 +142,9 @@ class Router:
             yield self.pick(), False
             return
         group, lane = self._choose_model(found)
-        if await group.refuses(lane, request.query.get("autoload")):
+        if not await group.serve(lane, request.query.get("autoload")):
             yield lane, True
             return
-        await group.serve(lane)
         try:
             yield lane, False
         finally:
@@ -210,10 +209,9 @@ class Router:
         payload = value if isinstance(value, dict) else None
         while True:
             group, lane = self._choose_model(left, request, adapter, payload)
-            if await group.refuses(lane, request.query.get("autoload")):
+            if not await group.serve(lane, request.query.get("autoload")):
                 bypass = await lane.unkeyed.relay_bypass(request, path_qs, incoming.raw())
                 return bypass.response
-            await group.serve(lane)
             try:
                 answer: web.StreamResponse | None = await self.ready(lane)
                 if answer is None:
