@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from kvproxy_bench import fim_replay, shared
 from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm
@@ -101,8 +102,12 @@ class FakeProxied(FakeDirect):
     async def start(self) -> None:
         await super().start()
         assert self.fake is not None
-        self.proxy = await start_proxy(self.fake.url, self.cache_dir)
+        self.proxy = await start_proxy(self.fake.url, self.cache_dir, **self.options())
         self.url = self.proxy.url
+
+    def options(self) -> dict[str, Any]:
+        """`kvproxy serve`'s settings for this arm."""
+        return {}
 
     async def stop(self) -> None:
         if self.proxy is not None:
@@ -143,27 +148,42 @@ async def test_shared_sessions_run_through_both_arms_and_a_restart(tmp_path: Pat
     assert "after restart" in text and "prefilled vs server alone" in text
 
 
-async def test_fim_replays_through_both_arms_and_a_restart(tmp_path: Path) -> None:
+class FakeWritingThrough(FakeProxied):
+    def __init__(self, where: Path) -> None:
+        super().__init__(where)
+        self.name = fim_replay.KVPROXY_WRITE_THROUGH
+
+    def options(self) -> dict[str, Any]:
+        return {"write_through": True}
+
+
+async def test_fim_replays_through_every_arm_and_a_restart(tmp_path: Path) -> None:
     """The fake has no /infill (404, recorded as such); the OpenAI SDK pass and the restart
-    run in full, the returning completions judged against an ideal of nothing new."""
+    run in full, the returning completions judged against an ideal of nothing new: with
+    --write-through each comes back from its own state."""
     opts = fim_replay.FimOptions(edits=3, n_predict=4, returning=2)
     result = fim_replay.FimResult(options=asdict(opts))
     client = Client()
     try:
-        for k, make in enumerate((FakeDirect, FakeProxied)):
+        for k, make in enumerate((FakeDirect, FakeProxied, FakeWritingThrough)):
             where = tmp_path / str(k)
             where.mkdir()
             async with make(where) as running:
                 await fim_replay._replay(client, running, opts, result)
     finally:
         await client.close()
-    for name in (DIRECT_RAM_CACHE, KVPROXY):
+    for name in (DIRECT_RAM_CACHE, KVPROXY, fim_replay.KVPROXY_WRITE_THROUGH):
         mine = [r for r in result.requests if r.arm == name]
         assert {r.status for r in mine if r.phase == "infill"} == {404}
         sdk = [r for r in mine if r.phase == "openai"]
         assert len(sdk) == 9 and all(r.status == 200 and r.prompt > 0 for r in sdk)
         back = [r for r in mine if r.phase == "after restart"]
         assert len(back) == 2 and all(r.ideal == 0 for r in back)
+    written = [r for r in result.requests if r.arm == fim_replay.KVPROXY_WRITE_THROUGH]
+    assert [r.prefilled for r in written if r.phase == "after restart"] == [1, 1]
+    # Its saves after each reply cost the next completion no reuse: it waits for its slot.
+    alone = [r for r in result.requests if r.arm == DIRECT_RAM_CACHE and r.phase == "openai"]
+    assert [r.prefilled for r in written if r.phase == "openai"] == [r.prefilled for r in alone]
     assert "after restart" in fim_replay.markdown(result)
 
 

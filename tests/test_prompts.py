@@ -139,3 +139,51 @@ async def test_an_editor_back_at_a_line_restores_the_state_saved_further_along_i
         assert body["usage"]["prompt_tokens"] - cache_n(body) <= 20, body["timings"]
     finally:
         await proxy.stop()
+
+
+async def test_with_write_through_every_completion_comes_back_whole_after_a_restart(
+    make: Maker,
+) -> None:
+    """An editor's completions on one line, each prompt its cursor's prefix, then the text
+    after the cursor (as llama.vscode's OpenAI mode sends them). Write-back keeps only the
+    last one's state (the slot went on from the others); --write-through saves each after
+    its reply, so after a restart each earlier cursor comes back with nothing to prefill
+    but the last token."""
+    fake, proxy = await make(write_through=True)
+    line = prompt("file") + "\nresult = compute("
+    after = "<|fim_suffix|>)\n" + "print(result) " * 12 + "<|fim_middle|>"
+    cursors = [line + typed + after for typed in ("", "alpha, beta", "alpha, beta, gamma=3")]
+    for text in cursors:
+        status, _, _ = await complete(proxy.url, text, "/v1/completions")
+        assert status == 200
+    await settle(proxy)
+    assert len(proxy.cache.store.entries) == 3
+    proxy = await restarted(fake, proxy)
+    try:
+        for text in cursors:
+            status, body, label = await complete(proxy.url, text, "/v1/completions")
+            assert status == 200 and label == "restored", label
+            assert body["usage"]["prompt_tokens"] - cache_n(body) <= 1, body["timings"]
+    finally:
+        await proxy.stop()
+
+
+async def test_write_back_keeps_the_last_completion_of_a_line_only(make: Maker) -> None:
+    """The same line without --write-through: the earlier cursors' own states are gone,
+    and each comes back from a state that parts from it before the text after its cursor."""
+    fake, proxy = await make()
+    line = prompt("file") + "\nresult = compute("
+    after = "<|fim_suffix|>)\n" + "print(result) " * 12 + "<|fim_middle|>"
+    cursors = [line + typed + after for typed in ("", "alpha, beta", "alpha, beta, gamma=3")]
+    for text in cursors:
+        await complete(proxy.url, text, "/v1/completions")
+    proxy = await restarted(fake, proxy)
+    try:
+        prefilled = []
+        for text in cursors:
+            status, body, _ = await complete(proxy.url, text, "/v1/completions")
+            assert status == 200
+            prefilled.append(body["usage"]["prompt_tokens"] - cache_n(body))
+        assert max(prefilled) > 12, prefilled
+    finally:
+        await proxy.stop()

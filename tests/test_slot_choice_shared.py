@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvproxy.cache.plan import Facts, decide
 from kvproxy.cache.policy import Move
-from kvproxy.cache.slotchoice import choose, home_of
+from kvproxy.cache.slotchoice import choose, finishing_best, home_of
 from kvproxy.cache.slots import Holding, Slot
 
 OPENING = ["sys"]
@@ -88,3 +88,30 @@ def test_a_returning_session_restores_on_a_free_slot_rather_than_push_another_ou
     # A new session of the opening still starts from the slot holding it.
     slot, depth = choose([b, empty], ["sys", "c1"], "ns")
     assert slot is b and depth == 1
+
+
+def _finishing(slot_id: int, *chain: str) -> Slot:
+    slot = Slot(slot_id, holding(*chain), busy=True)
+    slot.finishing = True
+    return slot
+
+
+def test_a_slot_finishing_kvproxys_work_after_its_reply_is_waited_for_when_it_serves_most() -> None:
+    """The server alone would find that slot idle (no save, no GET /slots after a reply)
+    and choose it by its common prefix: the next completion waits for it."""
+    done = _finishing(0, "file", "line", "cursor 1")
+    other = Slot(1, holding("other file"), saved=True)
+    assert finishing_best([done, other], ["file", "line", "cursor 2"], "ns") is done
+
+
+def test_a_finishing_slot_is_not_waited_for_when_an_idle_one_serves_as_much() -> None:
+    done = _finishing(0, "file", "line", "cursor 1")
+    same = Slot(1, holding("file", "line", "cursor 0"), saved=True)
+    assert finishing_best([done, same], ["file", "line", "cursor 2"], "ns") is None
+
+
+def test_a_slot_busy_with_another_request_is_not_waited_for() -> None:
+    """Generating, it is what the server alone would pass over too."""
+    busy = Slot(0, holding("file", "line", "cursor 1"), busy=True)
+    idle = Slot(1, None)
+    assert finishing_best([busy, idle], ["file", "line", "cursor 2"], "ns") is None

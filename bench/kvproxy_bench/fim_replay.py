@@ -7,6 +7,11 @@
 - `after restart`: the arm restarts (the server alone loses its RAM cache), then the last
   `returning` completions of the OpenAI pass come again.
 
+Three arms: the server alone (RAM cache), kvproxy (write-back: a slot's state is saved when
+something else needs the slot, when idle, at shutdown), and kvproxy `--write-through` (every
+reply's state saved): what each completion's own file buys after a restart, and what the
+files cost (kvproxy's saves while it served the session, from /kvproxy/stats).
+
 Ideal prefill of a request: its tokens beyond the longest token prefix it shares with any
 earlier prompt of the pass. For `/v1/completions` the prompt is tokenised by the server
 (`/tokenize`, `add_special`); for `/infill` it is assembled as `format_prompt_infill`
@@ -20,12 +25,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvproxy.keys import shared_prefix
-from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, side_by_side
+from kvproxy_bench.arms import (
+    DIRECT_RAM_CACHE,
+    KVPROXY,
+    Arm,
+    BenchEnv,
+    ProxyArm,
+    side_by_side,
+)
 from kvproxy_bench.client import Client
 from kvproxy_bench.fim import FimConfig, FimRequest, editing_session
 from kvproxy_bench.prefill import Request, detail_table, summary_table
-from kvproxy_bench.report import progress
+from kvproxy_bench.report import progress, table
 
+KVPROXY_WRITE_THROUGH = "kvproxy, write-through"
 PHASES = ["infill", "openai", "after restart"]
 # Stand-ins for the FIM special tokens: only equality matters to a common prefix.
 FIM_REP, FIM_SEP, FIM_PRE, FIM_SUF, FIM_MID = -1, -2, -3, -4, -5
@@ -49,13 +62,30 @@ class FimResult:
     options: dict[str, Any]
     requests: list[Request] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    saves: list[Saves] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "options": self.options,
             "requests": [asdict(r) for r in self.requests],
             "notes": self.notes,
+            "saves": [asdict(s) for s in self.saves],
         }
+
+
+@dataclass
+class Saves:
+    """A kvproxy arm's saves while it served the session (before its restart)."""
+
+    arm: str
+    files: int
+    bytes: int
+    seconds: float
+
+    @classmethod
+    def of(cls, arm: str, stats: dict[str, Any]) -> Saves:
+        spent = stats.get("histograms", {}).get("save_seconds", {}).get("sum")
+        return cls(arm, int(stats.get("saves", 0)), int(stats.get("saved_bytes", 0)), spent or 0.0)
 
 
 def session(opts: FimOptions) -> list[FimRequest]:
@@ -115,13 +145,19 @@ async def run_fim(env: BenchEnv, opts: FimOptions) -> FimResult:
     result = FimResult(options=asdict(opts))
     client = Client()
     try:
-        for arm in side_by_side(env, opts.slots, opts.ctx_per_slot):
+        for arm in arms(env, opts):
             progress(f"fim: {arm.name}")
             async with arm:
                 await _replay(client, arm, opts, result)
     finally:
         await client.close()
     return result
+
+
+def arms(env: BenchEnv, opts: FimOptions) -> list[Arm]:
+    writes = ProxyArm(env, opts.slots, opts.ctx_per_slot, ["--write-through"])
+    writes.name = KVPROXY_WRITE_THROUGH
+    return [*side_by_side(env, opts.slots, opts.ctx_per_slot), writes]
 
 
 def _record(
@@ -177,6 +213,8 @@ async def _replay(client: Client, arm: Arm, opts: FimOptions, result: FimResult)
     seen = []
     for req in completions:
         seen.append(await _openai(client, tokens, arm, req, "openai", seen, result))
+    if isinstance(arm, ProxyArm):
+        result.saves.append(Saves.of(arm.name, await arm.stats()))
     await arm.restart()
     tokens.base = arm.url
     for req in completions[-opts.returning :]:
@@ -233,9 +271,14 @@ def markdown(result: FimResult) -> str:
         f"after a restart the last {opts.returning} again; {opts.slots} slots."
     )
     notes = "".join(f"\n- {n}" for n in result.notes)
-    arms = [DIRECT_RAM_CACHE, KVPROXY]
+    names = [DIRECT_RAM_CACHE, KVPROXY, KVPROXY_WRITE_THROUGH]
+    saves = table(
+        ["arm", "saves while serving", "MB written", "seconds saving"],
+        [[s.arm, s.files, f"{s.bytes / 1e6:.1f}", f"{s.seconds:.2f}"] for s in result.saves],
+    )
     return (
-        f"{head}\n{notes}\n\n{summary_table(result.requests, arms, PHASES)}\n\n"
+        f"{head}\n{notes}\n\n{summary_table(result.requests, names, PHASES)}\n\n"
+        f"{saves}\n\n"
         f"<details><summary>every request</summary>\n\n{detail_table(result.requests)}\n\n"
         "</details>"
     )

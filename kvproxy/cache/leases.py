@@ -84,6 +84,9 @@ class Lease:
             raise
 
     def hand_off(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """The reply is delivered; `coro`, kvproxy's own work after it, keeps the slots."""
+        for slot in self.slots:
+            slot.finishing = True
         self._release_after(asyncio.ensure_future(coro))
 
     def _release_after(self, task: asyncio.Future[Any]) -> None:

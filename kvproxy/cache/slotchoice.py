@@ -62,6 +62,23 @@ def choose(
     return min(idle, key=lambda s: (s.holding is not None, not s.saved, s.last_used)), 0
 
 
+def finishing_best(
+    slots: Sequence[Slot], keys: list[str], namespace: str, serves: Serves | None = None
+) -> Slot | None:
+    """A slot busy only with kvproxy's own work after its reply (`Slot.finishing`) that
+    serves the request deeper than every idle slot: the server alone would find it idle and
+    choose it, so the request waits for it (moments) rather than prefill elsewhere."""
+    depth_of = serves or (lambda s: s.shared_depth(keys, namespace))
+    finishing = [s for s in slots if s.busy and s.finishing]
+    if not finishing:
+        return None
+    best = max(finishing, key=depth_of)
+    depth = depth_of(best)
+    if depth > 0 and all(depth_of(s) < depth for s in slots if not s.busy):
+        return best
+    return None
+
+
 def home_of(slots: Sequence[Slot], keys: list[str], namespace: str) -> Slot | None:
     """The slot holding this very conversation, idle or busy: the request goes on from
     everything it holds (or all but a last message it rewrites), or it is busy with the

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvproxy.cache.policy import HeldView
-from kvproxy.cache.slotchoice import Serves, choose, home_of
+from kvproxy.cache.slotchoice import Serves, choose, finishing_best, home_of
 from kvproxy.keys import shared_chain
 from kvproxy.server.api import SlotInfo
 
@@ -89,6 +89,9 @@ class Slot:
     action: str | None = None
     # The keys of the conversation a request taking the slot is for, until it is given back.
     serving: list[str] | None = None
+    # Its request's reply is delivered and kvproxy's own work after it (a GET /slots, a
+    # --write-through save) holds the slot: the server alone would find it idle.
+    finishing: bool = False
 
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int:
         holding = self.holding
@@ -283,7 +286,7 @@ class SlotPool:
                 if home.busy and home.saving:
                     home.claimed = True
             else:
-                soon = self._saved_soon()
+                soon = finishing_best(self.slots, keys, namespace, serves) or self._saved_soon()
                 wanted = soon.id if soon is not None else None
 
         self._arrivals += 1
@@ -367,6 +370,7 @@ class SlotPool:
         slot.saving = False
         slot.claimed = False
         slot.serving = None
+        slot.finishing = False
         if used:
             slot.last_used = time.monotonic()
         if self.waiting:  # else nobody waits on the condition: no task to wake them
