@@ -155,7 +155,11 @@ class Settings(BaseSettings):
         "request (its stream would pause for the save) and another idle slot is free; 0 = at "
         "once",
     )
-    write_through: bool = Field(False, description="save after every reply instead of write-back")
+    write_through: bool = Field(
+        False,
+        description="save after every reply (chats, text completions, infill) instead of "
+        "write-back",
+    )
     keep_reasoning: bool = Field(
         False, description="key replies with reasoning_content (for clients that echo it back)"
     )

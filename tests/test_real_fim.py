@@ -163,3 +163,34 @@ async def test_a_returning_infill_is_cached_after_evictions_and_a_restart(
     bodies = [r.body for r in fim_session() if r.kind == "infill"]
     size, back = await _returns_after_eviction_and_restart(fim_server, send, apart(bodies))
     assert back >= 0.99 * size, (back, size)
+
+
+async def test_with_write_through_each_returning_completion_comes_back_whole(
+    real_server: RealServer,
+) -> None:
+    """--write-through saves every completion's state after its reply: the session reuses
+    what the server alone reuses (no completion loses its slot to the save), and after a
+    restart each of the last three cursor states of a line comes back with nothing to
+    prefill but a token or two (write-back kept only the last one's)."""
+    args = [r.openai for r in fim_session() if r.openai is not None]
+    await erase_slots(real_server.url)
+    direct = [int((await sdk_completion(real_server.url, a))["cache_n"]) for a in args]
+    await erase_slots(real_server.url)
+    for path in real_server.cache_dir.iterdir():
+        path.unlink()
+    proxy = await start_proxy(real_server.url, real_server.cache_dir, write_through=True)
+    try:
+        via = [int((await sdk_completion(proxy.url, a))["cache_n"]) for a in args]
+    finally:
+        await proxy.stop()
+    short = [
+        (k, d, v) for k, (d, v) in enumerate(zip(direct, via, strict=True)) if v < d - TOLERANCE
+    ]
+    assert short == [], f"(request, direct cache_n, kvproxy cache_n): {short}"
+    await erase_slots(real_server.url)  # the server's memory gone, as after its restart
+    proxy = await start_proxy(real_server.url, real_server.cache_dir, write_through=True)
+    try:
+        back = [await sdk_completion(proxy.url, a) for a in args[-3:]]
+    finally:
+        await proxy.stop()
+    assert all(int(t["prompt_n"]) <= 2 for t in back), [(t["cache_n"], t["prompt_n"]) for t in back]

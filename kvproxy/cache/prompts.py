@@ -14,7 +14,7 @@ One thing differs from a conversation: an editor's completions (FIM) move back a
 within one file, each request parting from the last a few blocks before its end. What is
 lost there is the last few blocks of a state the next request rebuilds anyway, not another
 session's work: it is not saved first (`worth_saving`), as a chat regenerating its last
-reply is not.
+reply is not. With --write-through every reply's state is saved after it instead.
 """
 
 from __future__ import annotations
