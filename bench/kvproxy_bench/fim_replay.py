@@ -155,8 +155,9 @@ async def run_fim(env: BenchEnv, opts: FimOptions) -> FimResult:
 
 
 def arms(env: BenchEnv, opts: FimOptions) -> list[Arm]:
-    writes = ProxyArm(env, opts.slots, opts.ctx_per_slot, ["--write-through"])
-    writes.name = KVPROXY_WRITE_THROUGH
+    writes = ProxyArm(
+        env, opts.slots, opts.ctx_per_slot, ["--write-through"], name=KVPROXY_WRITE_THROUGH
+    )
     return [*side_by_side(env, opts.slots, opts.ctx_per_slot), writes]
 
 
