@@ -320,13 +320,7 @@ class Conversations:
     ) -> None:
         """--write-through: every reply is saved, the slot held until it is."""
         self._reply_held(slot, conv, reply, adapter)
-        try:
-            await self.work.snapshot(slot)
-            if self.work.worth_saving(slot):
-                await self.work.save(slot)
-        except Exception as exc:  # runs detached: nobody else would see it
-            log.warning("after the reply on slot %d: %s", slot.id, exc)
-            slot.forget()
+        await self.work.after_reply(slot, save=True)
 
     # --- misses explained
 

@@ -106,7 +106,7 @@ class Prompts:
                 raise
             if result.status == 200 and result.complete:
                 slot.hold(Holding(conv.namespace, list(conv.keys), 0, len(conv.keys)), saved=False)
-                lease.hand_off(self._snapshot(slot, save=self.settings.write_through))
+                lease.hand_off(self.work.after_reply(slot, self.settings.write_through))
             else:
                 slot.forget()
             self.events.request(
@@ -124,17 +124,6 @@ class Prompts:
             return result.response
         finally:
             lease.release()
-
-    async def _snapshot(self, slot: Slot, save: bool) -> None:
-        """What the slot holds after the reply; with --write-through it is saved too (the
-        slot held until it is), so every completion's own state outlives a restart."""
-        try:
-            await self.work.snapshot(slot)
-            if save and self.work.worth_saving(slot):
-                await self.work.save(slot)
-        except UpstreamError as exc:
-            log.warning("after the reply on slot %d: %s", slot.id, exc)
-            slot.forget()
 
     async def _prepare(
         self, slot: Slot, conv: Conversation, near_end: float

@@ -94,6 +94,17 @@ class SlotWork:
         """After our own use: remember what the server shows, and the holding's true size."""
         slot.observe(await self.client.slot(slot.id), count_tokens=True)
 
+    async def after_reply(self, slot: Slot, save: bool) -> None:
+        """`snapshot`, then with --write-through (`save`) the save, the slot held until it
+        is. Runs detached (nobody else would see a failure): logged, the slot forgotten."""
+        try:
+            await self.snapshot(slot)
+            if save and self.worth_saving(slot):
+                await self.save(slot)
+        except Exception as exc:
+            log.warning("after the reply on slot %d: %s", slot.id, exc)
+            slot.forget()
+
     async def snapshot_later(self, slot: Slot, taken: int) -> None:
         """`snapshot` for a slot already given back after a reply (`Slot.ours_ended`), so a
         client's next turn does not wait for it: its answer counts only if nobody took the
