@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge.app import SERVICE, build_app
 from kvproxy.edge.listen import listen, runner_options
+from kvproxy.lanes.cache import ConversationCache
 from kvproxy.server.managed import (
     ManagedServer,
     find_server_binary,

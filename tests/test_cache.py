@@ -506,7 +506,7 @@ async def test_a_slot_used_behind_kvproxys_back_after_a_reply_is_noticed(
     """Another client of the server takes the slot between two turns: the check before the
     slot is trusted again (here at once: no trust window) sees a task kvproxy did not send
     leaving a size its reply did not, and the turn is not served as resident."""
-    monkeypatch.setattr("kvproxy.cache.prepare.SNAPSHOT_TRUST", 0.0)
+    monkeypatch.setattr("kvproxy.handlers.prepare.SNAPSHOT_TRUST", 0.0)
     fake, proxy = await make(server={"n_slots": 1})
     _, r1, _ = await chat(proxy, conv(1))
     await settle(proxy)

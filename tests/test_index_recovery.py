@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvproxy.cache import wiring
+from kvproxy.lanes import cache as lanecache
 from kvproxy.store import IndexDB, Store
 from kvproxy.store.schema import DB_NAME
 
@@ -106,8 +106,8 @@ async def test_a_cache_dir_that_cannot_open_at_start_up_is_tried_again(
         await opened(self)
 
     monkeypatch.setattr(Store, "open_async", open_async)
-    monkeypatch.setattr(wiring, "OPEN_RETRY_S", 0.05)
-    monkeypatch.setattr(wiring, "OPEN_RETRY_MAX_S", 0.1)
+    monkeypatch.setattr(lanecache, "OPEN_RETRY_S", 0.05)
+    monkeypatch.setattr(lanecache, "OPEN_RETRY_MAX_S", 0.1)
     caplog.set_level(logging.INFO, logger="kvproxy")
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
@@ -120,7 +120,7 @@ async def test_a_cache_dir_that_cannot_open_at_start_up_is_tried_again(
         status, _, _ = await chat(proxy, conv(1))
         assert status == 200  # served, uncached
         async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
-            assert resp.headers["X-KVProxy-Faults"] == wiring.OPENING
+            assert resp.headers["X-KVProxy-Faults"] == lanecache.OPENING
         full = False
         async with asyncio.timeout(30):  # open, and the server found again
             while not (proxy.stats()["cache_open"] and proxy.stats()["enabled"]):
@@ -133,7 +133,7 @@ async def test_a_cache_dir_that_cannot_open_at_start_up_is_tried_again(
         assert status == 200 and h["X-KVProxy-Cache"] == "restored"
         async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
             assert "X-KVProxy-Faults" not in resp.headers
-        lines = [r.getMessage() for r in caplog.records if wiring.OPENING in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records if lanecache.OPENING in r.getMessage()]
         assert len(lines) == 2 and "disk is full" in lines[0] and "recovered" in lines[1], lines
     finally:
         await proxy.stop()

@@ -1,7 +1,7 @@
 """The layer rule, checked on every import statement of the package (lazy ones and those under
 TYPE_CHECKING too):
 
-    cli → edge → obs → cache → server → store, http → wire → keys, config
+    cli → edge → obs → lanes → handlers → cache → server → store, http → wire → keys, config
 
 A module imports kvproxy modules of its own layer or of a lower one, never of a higher one:
 requests go down one layer per hop, and nothing imports `cli/`. `wire/`, `keys` and the pure
@@ -24,9 +24,11 @@ PACKAGE = Path(kvproxy.__file__).parent
 
 # Higher imports lower. Layers of one rank do not import each other.
 RANK = {
-    "cli": 6,
-    "edge": 5,
-    "obs": 4,
+    "cli": 8,
+    "edge": 7,
+    "obs": 6,
+    "lanes": 5,
+    "handlers": 4,
     "cache": 3,
     "server": 2,
     "store": 1,
@@ -34,7 +36,7 @@ RANK = {
     "wire": 0,
     "keys": -1,
     "config": -1,
-    "__main__": 7,
+    "__main__": 9,
 }
 PURE = (
     "kvproxy.wire",
@@ -42,6 +44,10 @@ PURE = (
     "kvproxy.cache.policy",
     "kvproxy.cache.pressure",
     "kvproxy.cache.prefillrate",
+    "kvproxy.cache.slotchoice",
+    "kvproxy.cache.bounds",
+    "kvproxy.handlers.plan",
+    "kvproxy.lanes.routing",
 )
 IO_MODULES = ("aiohttp", "asyncio", "sqlite3", "socket", "subprocess", "os", "pathlib", "shutil")
 OUTSIDE = ("kvproxy_bench", "kvproxy_fake")

@@ -27,7 +27,7 @@ from kvproxy.cli import main
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient
 from kvproxy.server.managed import free_port
-from kvproxy.server.router import ModelStatus, is_router, list_models
+from kvproxy.server.modellist import ModelStatus, is_router, list_models
 
 from .conftest import bundled_model
 from .test_cache import chat, then

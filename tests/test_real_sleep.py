@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy.cache import backend, wiring
+from kvproxy.cache import backend
+from kvproxy.lanes import cache as lanecache
 
 from .conftest import start_proxy, start_real_server
 from .test_cache import chat
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.real
 async def test_kvproxy_leaves_a_sleeping_server_asleep(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(wiring, "HOUSEKEEPING_INTERVAL", 0.2)
+    monkeypatch.setattr(lanecache, "HOUSEKEEPING_INTERVAL", 0.2)
     monkeypatch.setattr(backend, "PROPS_CHECK_INTERVAL", 0.5)  # 30 times kvproxy's pace
     server = await asyncio.to_thread(
         start_real_server,

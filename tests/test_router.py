@@ -18,7 +18,7 @@ from kvproxy.server.api import LlamaClient, ModelRoute
 from kvproxy.server.doctor import Check, diagnose
 from kvproxy.server.launch import gguf_files, managed_command
 from kvproxy.server.managed import router_command
-from kvproxy.server.router import (
+from kvproxy.server.modellist import (
     ModelEvent,
     RouterModel,
     is_router,

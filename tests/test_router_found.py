@@ -12,8 +12,9 @@ import aiohttp
 import pytest
 from kvproxy_fake.router import FakeRouter, fake_models
 
-from kvproxy.cache import backend, wiring
-from kvproxy.cache.routing import model_candidates
+from kvproxy.cache import backend
+from kvproxy.lanes import cache as lanecache
+from kvproxy.lanes.routing import model_candidates
 from kvproxy.server.managed import free_port
 
 from .conftest import RunningProxy, start_proxy
@@ -85,7 +86,7 @@ async def test_housekeeping_finds_a_model_the_router_lists_later(
 async def test_looking_for_new_models_never_wakes_a_sleeping_one(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(wiring, "HOUSEKEEPING_INTERVAL", 0.05)
+    monkeypatch.setattr(lanecache, "HOUSEKEEPING_INTERVAL", 0.05)
     monkeypatch.setattr(backend, "SEVERAL_CHECK_INTERVAL", 0.1)
     models = fake_models(["coder"])
     async with FakeRouter(models, slot_save_path=cache, sleep_idle_seconds=0.3) as router:

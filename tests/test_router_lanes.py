@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from kvproxy_fake.router import FakeRouter, fake_models
 
-from kvproxy.cache.models import ModelView, victim
+from kvproxy.lanes.models import ModelView, victim
 
 from .conftest import RunningProxy, committed, start_proxy
 from .test_cache import chat, conv, then

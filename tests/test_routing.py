@@ -1,4 +1,4 @@
-"""Which server a request goes to with several behind kvproxy (cache/routing.py), on plain
+"""Which server a request goes to with several behind kvproxy (lanes/routing.py), on plain
 data, and the rule's promises over any mix of servers (hypothesis)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.cache.routing import LaneView, choose_lane, least_loaded
+from kvproxy.lanes.routing import LaneView, choose_lane, least_loaded
 
 
 def lane(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy.cache import backend, wiring
+from kvproxy.cache import backend
+from kvproxy.lanes import cache as lanecache
 
 from .conftest import start_proxy
 from .fakeserver import FakeLlamaServer
@@ -18,7 +19,7 @@ from .test_cache import chat, conv, settle, then
 
 @pytest.fixture
 def quick_housekeeping(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wiring, "HOUSEKEEPING_INTERVAL", 0.05)
+    monkeypatch.setattr(lanecache, "HOUSEKEEPING_INTERVAL", 0.05)
     monkeypatch.setattr(backend, "PROPS_CHECK_INTERVAL", 0.1)
 
 

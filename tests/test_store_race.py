@@ -24,8 +24,8 @@ import pytest
 
 from kvproxy import keys
 from kvproxy.cache import backend as backendmod
-from kvproxy.cache import wiring as cachemod
 from kvproxy.edge.app import SERVICE
+from kvproxy.lanes import cache as cachemod
 from kvproxy.store import Entry, Store
 from kvproxy.store import files as storefiles
 

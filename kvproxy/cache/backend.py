@@ -12,15 +12,12 @@ import logging
 import time
 from typing import Any
 
-from aiohttp import web
-
 from kvproxy.cache.slots import SlotPool
 from kvproxy.config import Settings
-from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
-from kvproxy.server.router import is_router
+from kvproxy.server.modellist import is_router
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -254,19 +251,16 @@ class Backend:
         except UpstreamError:
             return False
 
-    def not_ready(self) -> web.Response | None:
-        """With caching off because no server answered GET /props: what the client would get
-        from the server at this moment, so that no slot-using request goes unpinned to a
-        server that comes up in between (a loading server's 503, or "unreachable"). None
-        when the request may go as it is (pinned, or uncached by design)."""
+    def not_ready(self) -> UpstreamError | None:
+        """With caching off because no server answered GET /props: why, when the client would
+        get an error from the server at this moment (a loading server's 503, or no answer),
+        so that no slot-using request goes unpinned to a server that comes up in between
+        (handlers/answers.py words it). None when the request may go as it is (pinned, or
+        uncached by design)."""
         if self.enabled or self.down is None or not self.store_open:
             return None
-        if self.down.status == 503:
-            return loading_response()
-        if self.down.status is None:
-            return error_response(
-                502, f"llama-server is unreachable: {self.down}", "upstream_unreachable"
-            )
+        if self.down.status == 503 or self.down.status is None:
+            return self.down
         return None
 
     async def refuses(self, path: str) -> bool:

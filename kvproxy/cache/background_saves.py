@@ -25,8 +25,8 @@ from kvproxy.cache.pressure import (
     gives_way,
     next_background_save,
 )
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Slot, SlotPool
+from kvproxy.cache.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 
 log = logging.getLogger("kvproxy.cache")

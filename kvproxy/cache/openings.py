@@ -51,8 +51,8 @@ from kvproxy.cache.policy import (
     window_serves,
 )
 from kvproxy.cache.saving import SavesUnderWay
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, Slot, SlotPool
+from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry

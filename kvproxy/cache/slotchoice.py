@@ -8,15 +8,38 @@ conversation shares with another (a common opening) is no conversation's "home" 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from kvproxy.keys import shared_chain
 
-if TYPE_CHECKING:
-    from kvproxy.cache.slots import Slot
+
+class Held(Protocol):
+    @property
+    def chain(self) -> list[str]: ...
+
+
+class Slot(Protocol):
+    """What the choice reads of a slot (slots.py's Slot), and nothing it could change."""
+
+    @property
+    def holding(self) -> Held | None: ...
+    @property
+    def saved(self) -> bool: ...
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def finishing(self) -> bool: ...
+    @property
+    def serving(self) -> list[str] | None: ...
+    @property
+    def last_used(self) -> float: ...
+    def shared_depth(self, keys: Sequence[str], namespace: str) -> int: ...
+
+
+S = TypeVar("S", bound=Slot)
 
 # How deep a slot serves a conversation: the boundaries the server will reuse of what it holds.
-Serves = Callable[["Slot"], int]
+Serves = Callable[[S], int]
 
 
 def _whole(slot: Slot, depth: int) -> bool:
@@ -35,8 +58,8 @@ def _pushes_out(slot: Slot, depth: int, n_keys: int) -> bool:
 
 
 def choose(
-    idle: Sequence[Slot], keys: list[str], namespace: str, serves: Serves | None = None
-) -> tuple[Slot, int]:
+    idle: Sequence[S], keys: list[str], namespace: str, serves: Serves[S] | None = None
+) -> tuple[S, int]:
     """An idle slot for a conversation, and how deep it already holds it.
 
     A returning conversation whose slot now holds another session (of the same opening)
@@ -63,8 +86,8 @@ def choose(
 
 
 def finishing_best(
-    slots: Sequence[Slot], keys: list[str], namespace: str, serves: Serves | None = None
-) -> Slot | None:
+    slots: Sequence[S], keys: list[str], namespace: str, serves: Serves[S] | None = None
+) -> S | None:
     """A slot busy only with kvproxy's own work after its reply (`Slot.finishing`) that
     serves the request deeper than every idle slot: the server alone would find it idle and
     choose it, so the request waits for it (moments) rather than prefill elsewhere."""
@@ -79,12 +102,12 @@ def finishing_best(
     return None
 
 
-def home_of(slots: Sequence[Slot], keys: list[str], namespace: str) -> Slot | None:
+def home_of(slots: Sequence[S], keys: list[str], namespace: str) -> S | None:
     """The slot holding this very conversation, idle or busy: the request goes on from
     everything it holds (or all but a last message it rewrites), or it is busy with the
     conversation's previous request. A slot holding only what the request shares with
     another conversation (a common opening) is not its home: its content is another's."""
-    best: Slot | None = None
+    best: S | None = None
     best_depth = 0
     for slot in slots:
         depth = slot.shared_depth(keys, namespace)

@@ -270,7 +270,7 @@ class SlotPool:
         keys: list[str] | None = None,
         namespace: str = "",
         wanted: int | None = None,
-        serves: Serves | None = None,
+        serves: Serves[Slot] | None = None,
     ) -> tuple[Slot, int]:
         """Wait (bounded) for an idle slot and mark it busy. `wanted` asks for one slot id;
         `serves`, how deep a slot serves the conversation `keys` (see `choose`)."""

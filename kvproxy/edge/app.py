@@ -15,7 +15,6 @@ import orjson
 from aiohttp import web
 
 from kvproxy.cache.events import Events
-from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
 from kvproxy.edge.guards import HEALTH_PATHS, admin_refusal, client_refusal, host_refusal
@@ -26,6 +25,7 @@ from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
+from kvproxy.lanes.cache import ConversationCache
 from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import RequestLog
@@ -266,7 +266,7 @@ async def _serve(
         return await reload_every_router(request, service, _path_qs(path, request))
     if router.models and routes.loads_model(request.method, path):
         # A router loads the model this names, unloading another past --models-max: that
-        # one's slots are saved first, as before a chat turn (cache/models.py).
+        # one's slots are saved first, as before a chat turn (lanes/models.py).
         async with router.lane_for(request) as (lane, _):
             return await forward(
                 request, service, _path_qs(path, request), upstream=lane.backend.upstream

@@ -16,7 +16,7 @@ import math
 
 # What a held body costs kvproxy per byte of it, measured on 30 MiB bodies: a queued chat
 # holds its parse only (tracemalloc 1.0x, RSS 1.16x with the allocator's slack; the raw bytes
-# are let go, cache/keyed.py), a queued completion its parse and its 256-character blocks'
+# are let go, handlers/keyed.py), a queued completion its parse and its 256-character blocks'
 # keys (1.35x), a body on its way out its parse and the copy sent (briefly 2x). Before the
 # raw bytes were let go, a queued chat held 2.0x (RSS 2.3x).
 COST = 1.5

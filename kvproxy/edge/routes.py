@@ -29,9 +29,9 @@ from kvproxy.cache.backend import SLOT_PICKING_ROUTES
 
 
 class Treatment(StrEnum):
-    KEYED = "keyed"  # conversations keyed, pinned, saved and restored (cache/keyed.py)
-    # pinned to the slot kvproxy chose (cache/unkeyed.py); a single text prompt is keyed
-    # over its blocks, saved and restored (cache/prompts.py), anything else forgotten after
+    KEYED = "keyed"  # conversations keyed, pinned, saved and restored (handlers/keyed.py)
+    # pinned to the slot kvproxy chose (handlers/unkeyed.py); a single text prompt is keyed
+    # over its blocks, saved and restored (handlers/prompts.py), anything else forgotten after
     PINNED = "pinned"
     EVERY_SLOT = "every slot"  # the server picks the slot: held with every slot
     PASS = "pass"  # streamed through unchanged; uses no slot

@@ -55,7 +55,7 @@ def loading_response(message: str = "Loading model") -> web.Response:
 
 class Unreachable(web.Response):
     """A 502 for a server that could not be reached before any byte of a reply: with several
-    servers, the request may go to another one instead (cache/router.py)."""
+    servers, the request may go to another one instead (lanes/dispatch.py)."""
 
 
 def unreachable_response(exc: BaseException) -> web.Response:

@@ -58,7 +58,7 @@ class RequestLog:
             )
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
-        del event  # saves and restores are logged where they happen (kvproxy/cache/slotio.py)
+        del event  # saves and restores are logged where they happen (kvproxy/cache/slotwork.py)
 
     def on_count(self, what: Count, n: int) -> None:
         del what, n

@@ -26,7 +26,7 @@ from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
 from kvproxy.server.findlocal import NOT_FOUND, local_server
 from kvproxy.server.leftover import managed_urls
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
-from kvproxy.server.router import is_router
+from kvproxy.server.modellist import is_router
 from kvproxy.server.savepath import probe_check, probe_save_path
 
 Status = Literal["ok", "warn", "fail"]

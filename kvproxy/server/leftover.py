@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvproxy.server.router import flag_value
+from kvproxy.server.modellist import flag_value
 from kvproxy.store import dirfiles
 
 log = logging.getLogger("kvproxy.managed")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.doctor import Check, Doctor, Stop
-from kvproxy.server.router import RouterModel, list_models
+from kvproxy.server.modellist import RouterModel, list_models
 
 
 async def check_router(doctor: Doctor) -> list[Check]:

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import asyncio
 
-from kvproxy.cache.context import CacheContext
-from kvproxy.cache.habits import worth_comparing
+from kvproxy.cache.backend import Backend
+from kvproxy.cache.habits import Habits, worth_comparing
+from kvproxy.cache.leases import Background
 from kvproxy.cache.slots import Slot
-from kvproxy.store import Entry
+from kvproxy.store import Entry, Store
 from kvproxy.wire import Conversation
 
 
 class HabitLearning:
-    def __init__(self, ctx: CacheContext) -> None:
-        self.habits = ctx.habits
-        self.backend = ctx.backend
-        self.store = ctx.store
-        self.background = ctx.background
+    def __init__(
+        self, habits: Habits, backend: Backend, store: Store, background: Background
+    ) -> None:
+        self.habits = habits
+        self.backend = backend
+        self.store = store
+        self.background = background
 
     def from_slot(self, slot: Slot, conv: Conversation) -> bool:
         """Learn from the conversation the slot holds, else (in the background) from the

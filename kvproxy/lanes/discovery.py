@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from kvproxy.cache.lane import Lane
-from kvproxy.cache.models import RouterModels, find_models
 from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.lanes.lane import Lane
+from kvproxy.lanes.models import RouterModels, find_models
 
 log = logging.getLogger("kvproxy.cache")
 

@@ -23,15 +23,15 @@ from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
 from kvproxy.cache.explain import explain_against, why_weak
-from kvproxy.cache.incoming import Incoming, read_incoming
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
-from kvproxy.cache.prepare import Preparer
-from kvproxy.cache.prepared import Prepared
-from kvproxy.cache.refusals import busy_response
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, QueueFull, Slot
-from kvproxy.cache.unkeyed import Unkeyed
+from kvproxy.cache.slotwork import SlotWork
+from kvproxy.handlers.answers import busy_response
+from kvproxy.handlers.incoming import Incoming, read_incoming
+from kvproxy.handlers.prepare import Preparer
+from kvproxy.handlers.prepared import Prepared
+from kvproxy.handlers.unkeyed import Unkeyed
 from kvproxy.http.errors import unreachable_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError

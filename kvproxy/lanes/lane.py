@@ -14,12 +14,12 @@ import contextlib
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.keyed import Conversations
 from kvproxy.cache.openings import Openings
-from kvproxy.cache.prepare import Preparer
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import QueueFull, SlotPool
-from kvproxy.cache.unkeyed import Unkeyed
+from kvproxy.cache.slotwork import SlotWork
+from kvproxy.handlers.keyed import Conversations
+from kvproxy.handlers.prepare import Preparer
+from kvproxy.handlers.unkeyed import Unkeyed
 from kvproxy.http.session import UpstreamError
 
 
@@ -40,7 +40,12 @@ class Lane:
         )
         self.openings = Openings(ctx, self.work)
         self.unkeyed = Unkeyed(ctx, self.work, self.openings)
-        preparer = Preparer(ctx, self.work, self.openings, HabitLearning(ctx))
+        preparer = Preparer(
+            ctx,
+            self.work,
+            self.openings,
+            HabitLearning(ctx.habits, ctx.backend, ctx.store, ctx.background),
+        )
         self.conversations = Conversations(ctx, self.work, preparer, self.unkeyed, self.warmer)
 
     @property

@@ -16,12 +16,12 @@ from dataclasses import replace
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.openings import NOTHING_FOUND, Found, Openings
-from kvproxy.cache.plan import Facts, Plan, decide
 from kvproxy.cache.policy import Decision, Move, expected_resident
-from kvproxy.cache.prepared import MISS, Prepared, next_turn_of
 from kvproxy.cache.slotchoice import Serves
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Slot
+from kvproxy.cache.slotwork import SlotWork
+from kvproxy.handlers.plan import Facts, Plan, decide
+from kvproxy.handlers.prepared import MISS, Prepared, next_turn_of
 from kvproxy.http.session import UpstreamError
 from kvproxy.wire import Conversation
 
@@ -56,7 +56,7 @@ class Preparer:
             await self.work.admit(slot, conv.tenant)
             return MISS
 
-    def serves(self, conv: Conversation) -> Serves:
+    def serves(self, conv: Conversation) -> Serves[Slot]:
         """How deep a slot serves `conv`: what the server will reuse of what it holds (a
         state restored from disk cannot be cut back on every model class)."""
         return lambda slot: self.openings.resident_depth(slot, conv)

@@ -27,20 +27,20 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Events
 from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
-from kvproxy.cache.keyed import Conversations
-from kvproxy.cache.lane import Lane, make_lane
-from kvproxy.cache.lanelist import LaneList
-from kvproxy.cache.lanestate import backend_state, slot_state, unsaved
 from kvproxy.cache.leases import Background
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
-from kvproxy.cache.router import Router
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Slot, SlotPool
-from kvproxy.cache.unkeyed import Unkeyed
+from kvproxy.cache.slotwork import SlotWork
 from kvproxy.config import Settings
+from kvproxy.handlers.keyed import Conversations
+from kvproxy.handlers.unkeyed import Unkeyed
 from kvproxy.http.errors import loading_response
 from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.lanes.discovery import LaneList
+from kvproxy.lanes.dispatch import Router
+from kvproxy.lanes.lane import Lane, make_lane
+from kvproxy.lanes.stats import backend_state, slot_state, unsaved
 from kvproxy.store import Store, dirfiles
 
 log = logging.getLogger("kvproxy.cache")

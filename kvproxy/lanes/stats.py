@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvproxy.cache.lane import Lane
 from kvproxy.cache.slots import ANYONE, NOBODY, Slot
+from kvproxy.lanes.lane import Lane
 
 
 def backend_state(lane: Lane) -> dict[str, Any]:

@@ -19,10 +19,10 @@ from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import Decision
-from kvproxy.cache.prompts import Prompts
-from kvproxy.cache.refusals import busy_response, unreachable_response
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import QueueFull, Slot
+from kvproxy.cache.slotwork import SlotWork
+from kvproxy.handlers.answers import busy_response, unreachable_response
+from kvproxy.handlers.prompts import Prompts
 from kvproxy.http import bodies as jsonbody
 from kvproxy.http.relay import RelayResult, relay
 from kvproxy.http.session import UpstreamError

@@ -20,12 +20,13 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.incoming import read_incoming
-from kvproxy.cache.lane import Lane
-from kvproxy.cache.models import RouterModels
-from kvproxy.cache.routing import LaneView, choose_lane, least_loaded, model_candidates
+from kvproxy.handlers.answers import not_ready_response
+from kvproxy.handlers.incoming import read_incoming
 from kvproxy.http import bodies as jsonbody
 from kvproxy.http.errors import Unreachable
+from kvproxy.lanes.lane import Lane
+from kvproxy.lanes.models import RouterModels
+from kvproxy.lanes.routing import LaneView, choose_lane, least_loaded, model_candidates
 from kvproxy.wire import Conversation, NotKeyed, WireAdapter
 
 log = logging.getLogger("kvproxy.cache")
@@ -57,7 +58,8 @@ class Router:
         if not_yet is not None:
             return not_yet
         await lane.backend.rediscover_if_off()
-        return lane.backend.not_ready()
+        down = lane.backend.not_ready()
+        return None if down is None else not_ready_response(down)
 
     def pick(self) -> Lane:
         """The server for a request the cache does not key."""

@@ -27,10 +27,10 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvproxy.cache.lane import Lane
 from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.lanes.lane import Lane
 from kvproxy.server.api import LlamaClient
-from kvproxy.server.router import RouterModel, is_router, list_models
+from kvproxy.server.modellist import RouterModel, is_router, list_models
 
 log = logging.getLogger("kvproxy.cache")
 

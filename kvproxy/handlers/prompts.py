@@ -36,9 +36,9 @@ from kvproxy.cache.policy import (
     pick_stored,
     window_serves,
 )
-from kvproxy.cache.refusals import busy_response, unreachable_response
-from kvproxy.cache.slotio import SlotWork
 from kvproxy.cache.slots import Holding, QueueFull, Slot
+from kvproxy.cache.slotwork import SlotWork
+from kvproxy.handlers.answers import busy_response, unreachable_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import UpstreamError
 from kvproxy.store.entry import Entry
