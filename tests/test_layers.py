@@ -154,7 +154,8 @@ OWNED = {
     "kvproxy.cache.slots": (
         "slot",
         {"holding", "saved", "busy", "last_used", "changed_at", "snapshot", "seen_at"}
-        | {"started_at", "occupant", "saving", "claimed", "taken", "pending", "action"},
+        | {"started_at", "occupant", "saving", "claimed", "taken", "pending", "action"}
+        | {"serving", "finishing"},
     ),
     "kvproxy.cache.backend": (
         "backend",

@@ -17,6 +17,10 @@ from kvproxy.cache.policy import (
     judge_restore,
     worth_saving,
 )
+from kvproxy.handlers.plan import Facts
+from kvproxy.handlers.plan import decide as plan_decide
+from kvproxy.wire import CHAT_TAIL, Tail
+from kvproxy.wire.prompts import EXACT, NEAR_END
 
 CHAIN = ["k0", "k1", "k2", "k3"]
 
@@ -45,9 +49,9 @@ def test_a_restore_never_replaces_at_least_as_much_in_the_slot(
         assert (move is Move.USE_RESIDENT) == (resident > 0)
 
 
-def decide(h: HeldView | None, incoming: list[str] | None = None, **kw: object) -> bool:
+def decide(h: HeldView | None, **kw: object) -> bool:
     opts: dict[str, Any] = {"disk_enabled": True, "restores_allowed": True, "min_tokens": 256, **kw}
-    return worth_saving(h, incoming=incoming, **opts)
+    return worth_saving(h, **opts)
 
 
 def test_what_is_worth_a_save() -> None:
@@ -59,11 +63,39 @@ def test_what_is_worth_a_save() -> None:
     assert not decide(held(), restores_allowed=False), "it would never be restored"
 
 
+def plan_saves(held_depth: int, shared: int, tail: Tail, resident: int | None = None) -> bool:
+    """Whether a request sharing `shared` of the slot's `held_depth` boundaries (the server
+    reusing `resident` of them) saves what the slot holds first, for a slot worth saving."""
+    facts = Facts(
+        resident=shared if resident is None else resident,
+        held_depth=held_depth,
+        stored=None,
+        restores_allowed=True,
+        worth_saving=True,
+        held_opening=False,
+        shared=shared,
+        may_drop=tail.of(held_depth),
+    )
+    return plan_decide(facts).save
+
+
 def test_no_save_when_the_incoming_request_continues_or_regenerates_the_conversation() -> None:
-    assert not decide(held(), incoming=[*CHAIN, "k4", "k5"]), "continues it"
-    assert not decide(held(), incoming=["k0", "k1", "k2", "other"]), "regenerated reply"
-    assert decide(held(), incoming=["k0", "k1", "x", "y"]), "a branch loses the last turns"
-    assert decide(held(), incoming=["other"])
+    assert not plan_saves(4, 4, CHAT_TAIL), "continues it"
+    assert not plan_saves(4, 3, CHAT_TAIL), "regenerated reply"
+    assert plan_saves(4, 2, CHAT_TAIL), "a branch loses the last turns"
+    assert plan_saves(4, 0, CHAT_TAIL)
+    assert not plan_saves(4, 3, CHAT_TAIL, resident=0), "restored, not served: still goes on"
+
+
+def test_a_text_completion_goes_on_from_a_state_it_edits_near_its_end() -> None:
+    # An editor's next completion keeps all but the last tenth of the blocks (one at least).
+    assert not plan_saves(40, 36, NEAR_END)
+    assert plan_saves(40, 35, NEAR_END)
+    assert not plan_saves(5, 4, NEAR_END)
+    assert plan_saves(5, 0, NEAR_END), "shares nothing: replaces it"
+    # An infill goes on only from exactly what the slot holds.
+    assert not plan_saves(5, 5, EXACT)
+    assert plan_saves(5, 4, EXACT)
 
 
 def test_a_restore_counts_as_reused_when_half_of_what_could_be_was() -> None:

@@ -23,7 +23,8 @@ import pytest
 from kvproxy_bench.dialogues import system_prompt
 
 from kvproxy import keys
-from kvproxy.edge.app import PINNABLE_PATHS, SERVICE
+from kvproxy.edge.app import SERVICE
+from kvproxy.edge.routes import Treatment
 from kvproxy.wire import Conversation, NotKeyed
 from kvproxy.wire.capture import Reply
 from kvproxy.wire.responses import (
@@ -453,7 +454,7 @@ def test_unfinished_responses_are_not_complete() -> None:
 def test_next_turn_keys_extend_this_turns_keys_by_the_echoed_reply(
     output: list[dict[str, Any]],
 ) -> None:
-    """conversations._after_reply records keys + extend(keys[-1], echoed): the client's next
+    """the driver records (Slot.replied) keys + extend(keys[-1], echoed): the client's next
     turn, built from the output items, must start with exactly that chain."""
     turn1 = codex_body()
     conv1 = conv_of(turn1)
@@ -496,10 +497,11 @@ def test_pinned_body_is_the_clients_plus_id_slot() -> None:
 
 
 async def test_responses_routes_are_keyed(proxy: RunningProxy) -> None:
-    keyed = proxy.app[SERVICE].keyed
+    service = proxy.app[SERVICE]
     for path in ("/v1/responses", "/responses"):
-        assert isinstance(keyed[path], ResponsesAdapter)
-        assert path not in PINNABLE_PATHS
+        decision = service.routes.decide("POST", path)
+        assert decision.treatment is Treatment.KEYED
+        assert isinstance(service.adapters[decision.api], ResponsesAdapter)
 
 
 # --- against a real llama-server

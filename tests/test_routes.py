@@ -171,14 +171,18 @@ def test_a_refused_allowance_is_reported() -> None:
     assert table.refused_allowances() == ["/slots/*", "/models/load"]
 
 
-def test_every_route_app_py_dispatches_is_in_the_table() -> None:
-    from kvproxy.edge.app import CHAT_PATHS, MESSAGES_PATHS, RESPONSES_PATHS
+def test_every_keyed_route_names_an_api_the_app_reads() -> None:
+    from kvproxy.edge.app import adapters
 
-    table = RouteTable()
-    for path in CHAT_PATHS | MESSAGES_PATHS | RESPONSES_PATHS:
-        assert table.decide("POST", path).treatment is Treatment.KEYED
-    for path in routes.paths(Treatment.PINNED) | routes.paths(Treatment.EVERY_SLOT):
-        assert table.decide("POST", path).treatment in (Treatment.PINNED, Treatment.EVERY_SLOT)
+    table, known = RouteTable(), adapters(keep_reasoning=False)
+    keyed = routes.paths(Treatment.KEYED)
+    assert {"/v1/chat/completions", "/v1/messages", "/v1/responses", "/completion"} <= keyed
+    assert {"/v1/completions", "/infill"} <= keyed
+    for path in keyed:
+        decision = table.decide("POST", path)
+        assert decision.treatment is Treatment.KEYED and decision.api in known
+    for path in routes.paths(Treatment.EVERY_SLOT):
+        assert table.decide("POST", path).api == ""
 
 
 def test_docs_route_table_is_generated_from_the_module() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvproxy.cache.slots import Holding, SlotPool
-from kvproxy.handlers.keyed import UNKNOWN_REPLY_TOKENS
+from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.slots import UNKNOWN_REPLY_TOKENS, Holding
 from kvproxy.server.api import SlotInfo
 
 

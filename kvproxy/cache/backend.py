@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from kvproxy.cache.slots import SlotPool
+from kvproxy.cache.slotpool import SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute

@@ -25,7 +25,8 @@ from kvproxy.cache.pressure import (
     gives_way,
     next_background_save,
 )
-from kvproxy.cache.slots import Slot, SlotPool
+from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 
@@ -147,10 +148,9 @@ class Warmer:
                 slot.forget()
                 return
             await self.work.verify(slot)
-            if self.work.worth_saving(slot):
-                saved = await self.work.save(
-                    slot, background=True, give_way=lambda: self._give_way(slot)
-                )
+            saved = await self.work.save_if_worth(
+                slot, background=True, give_way=lambda: self._give_way(slot)
+            )
         except (UpstreamError, OSError) as exc:
             log.debug("background save of slot %d: %s", slot.id, exc)
         finally:

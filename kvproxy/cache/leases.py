@@ -13,7 +13,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvproxy.cache.faults import Faults
-from kvproxy.cache.slots import Slot, SlotPool
+from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.slots import Slot
 
 _T = TypeVar("_T")
 
@@ -86,7 +87,7 @@ class Lease:
     def hand_off(self, coro: Coroutine[Any, Any, Any]) -> None:
         """The reply is delivered; `coro`, kvproxy's own work after it, keeps the slots."""
         for slot in self.slots:
-            slot.finishing = True
+            slot.hand_off()
         self._release_after(asyncio.ensure_future(coro))
 
     def _release_after(self, task: asyncio.Future[Any]) -> None:

@@ -51,12 +51,14 @@ from kvproxy.cache.policy import (
     window_serves,
 )
 from kvproxy.cache.saving import SavesUnderWay
-from kvproxy.cache.slots import Holding, Slot, SlotPool
+from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.slots import Holding, Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 from kvproxy.wire import Conversation
+from kvproxy.wire.prompts import leading_text
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -118,7 +120,7 @@ class Openings:
     async def find(self, conv: Conversation) -> Found:
         """The stored entries for the request, in one index query (and a second only when
         the entry found expired since housekeeping last applied the TTL)."""
-        await self.work.saves_done(conv.keys)
+        await self.work.under_way.done(conv.keys)  # a save of its own state under way
         found = await self.store.candidates_async(conv.keys, conv.namespace)
         best = await self._pick(conv, found)
         if best is not None and self.store.expired(best[0]):
@@ -154,14 +156,18 @@ class Openings:
         return None if i is None else found[i]
 
     async def _tokens_before(self, conv: Conversation, depth: int) -> int | None:
-        """How many tokens of the request come before its message `depth`, as the server
-        tokenises them (None when it cannot say)."""
+        """How many tokens of the request come before its boundary `depth` (a message, or a
+        prompt's block), as the server tokenises them (None when it cannot say)."""
         try:
-            tokens = await canonical.prefix_tokens(
-                self.work.client, conv.template, conv.messages[:depth], canonical.VERBATIM
-            )
+            if conv.messages:
+                tokens = await canonical.prefix_tokens(
+                    self.work.client, conv.template, conv.messages[:depth], canonical.VERBATIM
+                )
+            else:
+                text = leading_text(conv.payload, depth)  # not an infill's: it is reassembled
+                tokens = await self.work.client.tokenize(text) if text else None
         except (UpstreamError, ValueError) as exc:
-            log.debug("cannot count the tokens before message %d: %s", depth, exc)
+            log.debug("cannot count the tokens before boundary %d: %s", depth, exc)
             return None
         return len(tokens) if tokens else None
 

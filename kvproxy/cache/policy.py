@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Literal
 
-from kvproxy.keys import shared_chain
-
 # Restores the server did not reuse, in a row, before kvproxy stops restoring a namespace.
 INEFFECTIVE_LIMIT = 3
 
@@ -184,19 +182,13 @@ def worth_saving(
     disk_enabled: bool,
     restores_allowed: bool,
     min_tokens: int,
-    incoming: Sequence[str] | None = None,
 ) -> bool:
-    """Would the slot's content be lost, and is it worth keeping?
-
-    Not when the incoming request continues it (the slot will hold a longer version), nor
-    when only the last message differs (a regenerated reply), nor for a namespace whose
-    restores are never reused (it would never be restored).
-    """
+    """Is the slot's content not on disk, and worth keeping? Not for a namespace whose
+    restores are never reused (it would never be restored). Whether a request would lose it
+    is the plan's (handlers/plan.py: a request going on from it loses nothing)."""
     if held is None or held.saved or not disk_enabled or not restores_allowed:
         return False
-    if held.n_tokens < min_tokens:
-        return False
-    return incoming is None or shared_chain(held.chain, incoming) < len(held.chain) - 1
+    return held.n_tokens >= min_tokens
 
 
 class RestoreVerdict(Enum):

@@ -52,16 +52,22 @@ class SlotWork:
         self.heads = canonical.Heads()  # what the last canonical prefixes tokenised
         self.under_way = SavesUnderWay()
 
-    def worth_saving(self, slot: Slot, incoming: list[str] | None = None) -> bool:
-        """Would the slot's content be lost, and is it worth a file? (policy.worth_saving)"""
+    def worth_saving(self, slot: Slot) -> bool:
+        """Is the slot's content not on disk, and worth a file? (policy.worth_saving)"""
         held = slot.view()
         return worth_saving(
             held,
             disk_enabled=self.backend.disk_enabled,
             restores_allowed=held is None or self.guard.allows(held.namespace),
             min_tokens=self.settings.min_tokens,
-            incoming=incoming,
         )
+
+    async def save_if_worth(
+        self, slot: Slot, background: bool = False, give_way: Callable[[], bool] | None = None
+    ) -> bool:
+        """`save` the slot (ours, verified) when what it holds is worth a file and not on
+        disk yet: True when it was saved."""
+        return self.worth_saving(slot) and await self.save(slot, background, give_way)
 
     # --- knowing what the slot holds
 
@@ -90,23 +96,19 @@ class SlotWork:
             slot.forget()
         slot.observe(info, count_tokens=pending)
 
-    async def snapshot(self, slot: Slot) -> None:
-        """After our own use: remember what the server shows, and the holding's true size."""
-        slot.observe(await self.client.slot(slot.id), count_tokens=True)
-
-    async def after_reply(self, slot: Slot, save: bool) -> None:
-        """`snapshot`, then with --write-through (`save`) the save, the slot held until it
-        is. Runs detached (nobody else would see a failure): logged, the slot forgotten."""
+    async def write_through(self, slot: Slot) -> None:
+        """--write-through, after a reply: what the server shows (the holding's true size),
+        then the save, the slot held until it is done. Runs detached (nobody else would see
+        a failure): logged, the slot forgotten."""
         try:
-            await self.snapshot(slot)
-            if save and self.worth_saving(slot):
-                await self.save(slot)
+            slot.observe(await self.client.slot(slot.id), count_tokens=True)
+            await self.save_if_worth(slot)
         except Exception as exc:
             log.warning("after the reply on slot %d: %s", slot.id, exc)
             slot.forget()
 
     async def snapshot_later(self, slot: Slot, taken: int) -> None:
-        """`snapshot` for a slot already given back after a reply (`Slot.ours_ended`), so a
+        """What the server shows of a slot already given back after a reply (`ours_ended`), so a
         client's next turn does not wait for it: its answer counts only if nobody took the
         slot meanwhile (then that use's own snapshot, or `verify`, settles it). `taken`: the
         slot's count when the use ended."""
@@ -130,10 +132,6 @@ class SlotWork:
         key = slot.holding.key if slot.holding is not None else None
         with self.under_way.saving(key):
             return await self._save(slot, background, give_way)
-
-    async def saves_done(self, keys: list[str]) -> None:
-        """Wait (bounded) for a save under way of the conversation `keys` go on from."""
-        await self.under_way.done(keys)
 
     async def _save(
         self, slot: Slot, background: bool, give_way: Callable[[], bool] | None

@@ -17,10 +17,10 @@ from aiohttp import web
 from kvproxy.cache.events import Events
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
-from kvproxy.edge.guards import HEALTH_PATHS, admin_refusal, client_refusal, host_refusal
+from kvproxy.edge.guards import admin_refusal, client_refusal, host_refusal
 from kvproxy.edge.heldbodies import HeldBodies
 from kvproxy.edge.inflight import InFlight
-from kvproxy.edge.routes import RouteTable, Treatment, normal_path, predict_routes
+from kvproxy.edge.routes import Decision, Role, RouteTable, Treatment, normal_path, predict_routes
 from kvproxy.http.bodies import refused_encoding
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
@@ -32,23 +32,24 @@ from kvproxy.obs.requestlog import RequestLog
 from kvproxy.wire import WireAdapter
 from kvproxy.wire.chat import ChatAdapter
 from kvproxy.wire.messages import MessagesAdapter
+from kvproxy.wire.prompts import PromptAdapter
 from kvproxy.wire.responses import ResponsesAdapter
 
 log = logging.getLogger("kvproxy.proxy")
 
-CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
-# OpenAI Responses (Codex): the server converts it to chat and honours `id_slot`.
-RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})
-# Anthropic Messages: the server ignores `id_slot` there, so kvproxy sends it as chat.
-MESSAGES_PATHS = frozenset({"/v1/messages"})
-# Routes whose `id_slot` the server honours: pinned so the proxy's picture of slots stays true.
-PINNABLE_PATHS = routes.paths(Treatment.PINNED)
-# Slot-using routes that ignore `id_slot`: the server picks the slot itself.
-UNPINNABLE_PATHS = frozenset({"/v1/messages", *routes.paths(Treatment.EVERY_SLOT)})
-MANAGEMENT_PATHS = frozenset(r.path for r in routes.MODEL_MANAGEMENT)
-# Where a router lists its models, and reads its models dir again with `?reload=1`
-# (server-models.cpp `get_router_models`: any non-empty value).
-MODEL_LISTS = frozenset({"/models", "/v1/models"})
+# The routes metrics label one by one: those that use a slot.
+SLOT_PATHS = routes.paths(Treatment.KEYED) | routes.paths(Treatment.EVERY_SLOT)
+
+
+def adapters(keep_reasoning: bool) -> dict[str, WireAdapter]:
+    """Each wire API the route table names (`Route.api`), with the adapter that reads it."""
+    return {
+        "chat": ChatAdapter(keep_reasoning),
+        "responses": ResponsesAdapter(keep_reasoning),
+        "messages": MessagesAdapter(),
+        "completion": PromptAdapter("completion"),
+        "infill": PromptAdapter("infill"),
+    }
 
 
 class Service:
@@ -66,9 +67,7 @@ class Service:
         # One session per llama-server; the cache keeps a lane (slot pool, identity) for each.
         self.upstreams = [Upstream(url, settings.api_key) for url in urls]
         self.events = Events()
-        self.metrics = Metrics(
-            CHAT_PATHS | MESSAGES_PATHS | RESPONSES_PATHS | PINNABLE_PATHS | UNPINNABLE_PATHS
-        )
+        self.metrics = Metrics(SLOT_PATHS)
         self.cache = ConversationCache(settings, self.upstreams, self.events)
         self.metrics.watch(self.cache)
         # What the status page shows of the last requests.
@@ -83,11 +82,7 @@ class Service:
         # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
         self.stop_by: float | None = None
         self.events.listeners += [self.metrics, RequestLog(), self.recent]
-        chat = ChatAdapter(settings.keep_reasoning)
-        # Routes the cache keys, each with the adapter that reads its wire format.
-        self.keyed: dict[str, WireAdapter] = dict.fromkeys(CHAT_PATHS, chat)
-        self.keyed.update(dict.fromkeys(MESSAGES_PATHS, MessagesAdapter()))
-        self.keyed.update(dict.fromkeys(RESPONSES_PATHS, ResponsesAdapter(settings.keep_reasoning)))
+        self.adapters = adapters(settings.keep_reasoning)
 
     def stats(self) -> dict[str, Any]:
         """`/kvproxy/stats`: the cache's state, and the counters `/metrics` shows."""
@@ -188,7 +183,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if request.content_length is not None and request.content_length > service.settings.max_body:
         return _too_large(service.settings)
     if not request.body_exists:
-        return await _serve(request, service, path, decision.treatment)
+        return await _serve(request, service, path, decision)
     size = request.content_length
     held = size if size is not None else service.settings.max_body
     if not service.held_bodies.take(held):
@@ -199,7 +194,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             return late
         ticket = service.in_flight.start(request.method, path, await request.read())
         try:
-            return await _serve(request, service, path, decision.treatment)
+            return await _serve(request, service, path, decision)
         finally:
             service.in_flight.end(ticket)
     finally:
@@ -218,9 +213,9 @@ def _bodies_full(settings: Settings) -> web.Response:
 
 
 async def _serve(
-    request: web.Request, service: Service, path: str, treatment: Treatment | None
+    request: web.Request, service: Service, path: str, decision: Decision
 ) -> web.StreamResponse:
-    """A request whose body (if any) was read whole."""
+    """A request whose body (if any) was read whole, as the route table decided."""
     down_for = service.servers_down_for()
     if down_for is not None:
         # Between a managed server's death and its next start nothing listens: a client
@@ -232,46 +227,41 @@ async def _serve(
         )
         response.headers["Retry-After"] = str(max(1, math.ceil(down_for)))
         return response
-    if path in HEALTH_PATHS and not service.cache.looked:
-        # The server answers 503 until it is ready; kvproxy is ready once it has looked for
-        # the server: a client that waits for 200 then sends requests kvproxy can pin.
-        return loading_response()
-    router = service.cache.router
-    if path in HEALTH_PATHS:
-        for lane in router.lanes:
+    lanes = service.cache.dispatch
+    path_qs = _path_qs(path, request)
+    if decision.role is Role.HEALTH:
+        if not service.cache.looked:
+            # The server answers 503 until it is ready; kvproxy is ready once it has looked
+            # for the server: a client that waits for 200 then sends requests kvproxy can pin.
+            return loading_response()
+        for lane in lanes.lanes:
             await lane.backend.rediscover_if_off(wake=False)
-        return await forward(request, service, _path_qs(path, request), faults_header(service))
-    if request.method == "POST":
-        adapter = service.keyed.get(path)
-        if adapter is not None:
-            return await router.handle_keyed(request, _path_qs(path, request), adapter)
-        if path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
-            async with router.lane_for(request) as (lane, as_it_is):
-                if as_it_is:
-                    path_qs, upstream = _path_qs(path, request), lane.backend.upstream
-                    return await forward(request, service, path_qs, upstream=upstream)
-                not_yet = await router.ready(lane)
-                if not_yet is not None:
-                    return not_yet
-                if path in PINNABLE_PATHS:
-                    return await lane.unkeyed.handle_pinned(request, _path_qs(path, request))
-                return await lane.unkeyed.handle_unpinnable(request, _path_qs(path, request), path)
-    if path in MANAGEMENT_PATHS and treatment is Treatment.EVERY_SLOT:
+        return await forward(request, service, path_qs, faults_header(service))
+    if decision.treatment is Treatment.KEYED and request.method == "POST":
+        return await lanes.keyed(request, path_qs, service.adapters[decision.api])
+    if decision.role is Role.MANAGES_MODELS:
         # Allowed (--allow-model-management): a model the router unloads takes its slots'
         # state with it, so every slot is held and what would be lost is saved first.
         body = await request.read()
-        lane = await router.management_lane(path, body)
-        return await lane.unkeyed.hold_all(request, _path_qs(path, request), body)
-    if request.method == "GET" and path in MODEL_LISTS and request.query.get("reload"):
-        return await reload_every_router(request, service, _path_qs(path, request))
-    if router.models and routes.loads_model(request.method, path):
+        lane = await lanes.management_lane(path, body)
+        return await lane.unkeyed.hold_all(request, path_qs, body)
+    if decision.treatment is Treatment.EVERY_SLOT and request.method == "POST":
+        async with lanes.lane_for(request) as (lane, as_it_is):
+            if as_it_is:
+                return await forward(request, service, path_qs, upstream=lane.backend.upstream)
+            not_yet = await lanes.ready(lane)
+            if not_yet is not None:
+                return not_yet
+            return await lane.unkeyed.handle_unpinnable(request, path_qs, path)
+    if decision.role is Role.MODEL_LIST and request.query.get("reload"):
+        # A router reads its models dir again (server-models.cpp: any non-empty value).
+        return await reload_every_router(request, service, path_qs)
+    if lanes.models and decision.role is Role.LOADS_MODEL:
         # A router loads the model this names, unloading another past --models-max: that
         # one's slots are saved first, as before a chat turn (lanes/models.py).
-        async with router.lane_for(request) as (lane, _):
-            return await forward(
-                request, service, _path_qs(path, request), upstream=lane.backend.upstream
-            )
-    return await forward(request, service, _path_qs(path, request))
+        async with lanes.lane_for(request) as (lane, _):
+            return await forward(request, service, path_qs, upstream=lane.backend.upstream)
+    return await forward(request, service, path_qs)
 
 
 async def reload_every_router(
@@ -280,7 +270,7 @@ async def reload_every_router(
     """`GET /models?reload=1` makes a router read its models dir again. Forwarded, it would
     reach one router: with several behind kvproxy, a model copied in would be found on that
     one only. The others are asked first; the client gets the last one's answer."""
-    *others, last = service.cache.router.routers() or [service.cache.router.pick()]
+    *others, last = service.cache.dispatch.routers() or [service.cache.dispatch.pick()]
     outcomes = await asyncio.gather(
         *(lane.backend.upstream.get_json(path_qs) for lane in others), return_exceptions=True
     )
@@ -298,9 +288,9 @@ async def forward(
     upstream: Upstream | None = None,
 ) -> web.StreamResponse:
     """Plain pass-through of a request whose body was read whole (read_body), to `upstream`
-    or the server `Router.pick` gives."""
+    or the server `Dispatch.pick` gives."""
     data = await request.read() if request.body_exists else None
-    upstream = upstream or service.cache.router.pick().backend.upstream
+    upstream = upstream or service.cache.dispatch.pick().backend.upstream
     result = await relay(
         request, upstream, path_qs, data, body_replaced=True, extra_headers=extra_headers
     )

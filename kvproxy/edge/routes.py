@@ -29,14 +29,24 @@ from kvproxy.cache.backend import SLOT_PICKING_ROUTES
 
 
 class Treatment(StrEnum):
-    KEYED = "keyed"  # conversations keyed, pinned, saved and restored (handlers/keyed.py)
-    # pinned to the slot kvproxy chose (handlers/unkeyed.py); a single text prompt is keyed
-    # over its blocks, saved and restored (handlers/prompts.py), anything else forgotten after
-    PINNED = "pinned"
+    # Keyed by the route's wire API (`Route.api`), pinned, saved and restored: every keyed
+    # request runs one driver (handlers/keyed.py); one it cannot key is pinned to a slot
+    # kvproxy forgets afterwards (handlers/unkeyed.py).
+    KEYED = "keyed"
     EVERY_SLOT = "every slot"  # the server picks the slot: held with every slot
     PASS = "pass"  # streamed through unchanged; uses no slot
     OWN = "kvproxy"  # answered by kvproxy itself (admin token off loopback)
     REFUSED = "refused"  # 403: clients must never reach it through kvproxy
+
+
+class Role(StrEnum):
+    """What else the edge does with a route, besides its treatment."""
+
+    NONE = ""
+    HEALTH = "health"  # the server's health, answered once kvproxy looked for the server
+    MODEL_LIST = "model list"  # `?reload=1` reaches every router behind kvproxy
+    LOADS_MODEL = "loads model"  # a router loads the model it names: what that unloads saved first
+    MANAGES_MODELS = "manages models"  # loads, unloads, downloads or deletes models
 
 
 ANY = frozenset({"*"})
@@ -50,6 +60,8 @@ class Route:
     methods: frozenset[str]  # ANY for every method
     treatment: Treatment
     note: str = ""
+    api: str = ""  # KEYED: the wire API that reads its body (wire/): chat, responses, ...
+    role: Role = Role.NONE
 
     def covers(self, method: str, path: str) -> bool:
         if not _path_matches(self.path, path):
@@ -90,49 +102,59 @@ _TOKEN_COUNTS = (
     "/v1/responses/input_tokens",
 )
 _TOKENS = ("/tokenize", "/detokenize", "/apply-template")
-_LOADING_POSTS = (*_TOKENS, *_TOKEN_COUNTS)
 _SETTINGS = "POST {path} changes server-wide settings and is not exposed by kvproxy"
+_LIST = "model list; `?reload=1` reaches every router behind kvproxy"
+KEYED, PASS = Treatment.KEYED, Treatment.PASS
 
 
 def _each(
-    paths: Iterable[str], methods: frozenset[str], treatment: Treatment, note: str = ""
+    paths: Iterable[str],
+    methods: frozenset[str],
+    treatment: Treatment,
+    note: str = "",
+    api: str = "",
+    role: Role = Role.NONE,
 ) -> tuple[Route, ...]:
     """One route per path; `{path}` in the note names it."""
-    return tuple(Route(p, methods, treatment, note.replace("{path}", p)) for p in paths)
+    return tuple(Route(p, methods, treatment, note.replace("{path}", p), api, role) for p in paths)
 
 
 # The router's model management: refused unless the operator allows it
 # (--allow-model-management), and then every slot is held (what would be lost saved first).
+_MANAGE = Role.MANAGES_MODELS
 MODEL_MANAGEMENT = (
-    *_each(("/models/load", "/models/unload"), ANY, Treatment.REFUSED, _MODELS),
-    *_each(("/models",), frozenset({"POST", "DELETE"}), Treatment.REFUSED, _MODELS),
+    *_each(("/models/load", "/models/unload"), ANY, Treatment.REFUSED, _MODELS, role=_MANAGE),
+    *_each(("/models",), frozenset({"POST", "DELETE"}), Treatment.REFUSED, _MODELS, role=_MANAGE),
 )
 
 ROUTES: tuple[Route, ...] = (
-    # --- conversations the cache keys (the wire format read by wire/)
-    *_each(("/v1/chat/completions", "/chat/completions"), POST, Treatment.KEYED, "OpenAI chat"),
-    *_each(("/v1/responses", "/responses"), POST, Treatment.KEYED, "OpenAI Responses, as chat"),
-    Route("/v1/messages", POST, Treatment.KEYED, "Anthropic Messages, sent to the server as chat"),
-    # --- routes whose `id_slot` the server honours
+    # --- requests the cache keys (the wire format read by wire/)
+    *_each(("/v1/chat/completions", "/chat/completions"), POST, KEYED, "OpenAI chat", "chat"),
+    *_each(("/v1/responses", "/responses"), POST, KEYED, "OpenAI Responses, as chat", "responses"),
+    Route(
+        "/v1/messages", POST, KEYED, "Anthropic Messages, sent to the server as chat", "messages"
+    ),
     *_each(
         ("/completion", "/completions", "/v1/completions"),
         POST,
-        Treatment.PINNED,
-        "text completion: one prompt keyed, saved and restored",
+        KEYED,
+        "text completion: one prompt keyed over its blocks",
+        "completion",
     ),
-    Route("/infill", POST, Treatment.PINNED, "code infill: keyed on extra context and prefix"),
+    Route("/infill", POST, KEYED, "code infill: keyed on extra context and prefix", "infill"),
     # --- routes on slots the server picks itself (cache/backend.py SLOT_PICKING_ROUTES)
     *_each(SLOT_PICKING_ROUTES, POST, Treatment.EVERY_SLOT),
     # --- no slot
-    *_each(("/health", "/v1/health"), GET, Treatment.PASS, "llama-server's, unchanged"),
-    *_each(_LOADING_GETS, GET, Treatment.PASS, f"{_LOADS} (`?model=`)"),
-    *_each(("/v1/models", "/models", "/api/tags"), GET, Treatment.PASS, "model list"),
-    Route("/models/sse", GET, Treatment.PASS, "router mode: model status events (read-only)"),
-    Route("/api/show", POST, Treatment.PASS, "Ollama model info"),
-    Route("/api/chat", POST, Treatment.PASS, "Ollama chat: not keyed, as before"),
-    *_each(_TOKENS, POST, Treatment.PASS, _LOADS),
-    *_each(_TOKEN_COUNTS, POST, Treatment.PASS, f"token counts; {_LOADS}"),
-    *_each(("/", "/sw.js"), GET, Treatment.PASS, "the server's web UI"),
+    *_each(("/health", "/v1/health"), GET, PASS, "llama-server's, unchanged", role=Role.HEALTH),
+    *_each(_LOADING_GETS, GET, PASS, f"{_LOADS} (`?model=`)", role=Role.LOADS_MODEL),
+    *_each(("/v1/models", "/models"), GET, PASS, _LIST, role=Role.MODEL_LIST),
+    Route("/api/tags", GET, PASS, "model list"),
+    Route("/models/sse", GET, PASS, "router mode: model status events (read-only)"),
+    Route("/api/show", POST, PASS, "Ollama model info"),
+    Route("/api/chat", POST, PASS, "Ollama chat: not keyed, as before"),
+    *_each(_TOKENS, POST, PASS, _LOADS, role=Role.LOADS_MODEL),
+    *_each(_TOKEN_COUNTS, POST, PASS, f"token counts; {_LOADS}", role=Role.LOADS_MODEL),
+    *_each(("/", "/sw.js"), GET, PASS, "the server's web UI"),
     # --- kvproxy's own
     Route(
         "/kvproxy/*",
@@ -181,6 +203,8 @@ def predict_routes(environ: Mapping[str, str]) -> frozenset[str]:
 class Decision:
     treatment: Treatment | None  # None: not a route kvproxy forwards (404)
     reason: str = ""  # why, when refused
+    api: str = ""  # KEYED: the wire API that reads the body
+    role: Role = Role.NONE
 
 
 DECISIONS_KEPT = 256
@@ -245,22 +269,11 @@ class RouteTable:
             return Decision(Treatment.REFUSED, reason)
         for route in self.served:
             if route.covers(method, path):
-                return Decision(route.treatment)
+                return Decision(route.treatment, api=route.api, role=route.role)
         for route in self.allowed:
             if _path_matches(route.path, path):
                 return Decision(Treatment.PASS)
         return Decision(None)
-
-
-# Pass-through routes on which a router loads the model the request names (see _LOADS).
-MODEL_LOADING = frozenset(
-    {*(("GET", p) for p in _LOADING_GETS), *(("POST", p) for p in _LOADING_POSTS)}
-)
-
-
-def loads_model(method: str, path: str) -> bool:
-    """Whether a router loads the model `method path` names (HEAD is served as GET)."""
-    return ("GET" if method == "HEAD" else method, path) in MODEL_LOADING
 
 
 def paths(treatment: Treatment) -> frozenset[str]:
@@ -280,7 +293,8 @@ def markdown() -> str:
     ]
     for r in ROUTES:
         methods = "any" if r.methods is ANY else ", ".join(sorted(r.methods))
-        lines.append(f"| {methods} | `{r.path}` | {r.treatment.value} | {r.note} |")
+        treatment = f"{r.treatment.value} ({r.api})" if r.api else r.treatment.value
+        lines.append(f"| {methods} | `{r.path}` | {treatment} | {r.note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,9 +6,11 @@ slot holds" first vacates the slot, in one order: save what would be lost, leave
 it passes through on disk, admit the request's tenant (erasing another tenant's tokens).
 
 The invariant every plan keeps: nothing runs on a slot holding a state kvproxy could still
-save unless it is saved first, or the request goes on from it (`worth_saving` says which).
-A request that shares only part of what the slot holds (another session of the same
-opening, a branch) replaces the rest, so it saves first too.
+save unless it is saved first, or the request goes on from it (`goes_on`). A request that
+shares only part of what the slot holds (another session of the same opening, a branch)
+replaces the rest, so it saves first too. What a request may drop of the slot's tail and
+still go on from it is a fact of its kind (`Conversation.tail`): a chat its last message (a
+regenerated reply), an editor's text completion the last tenth, an infill nothing.
 """
 
 from __future__ import annotations
@@ -24,11 +26,21 @@ class Facts:
     held_depth: int  # boundaries the slot holds (0: nothing known)
     stored: int | None  # boundaries the best stored entry shares (None: none found)
     restores_allowed: bool
-    worth_saving: bool  # what the slot holds would be lost, and is worth a file
+    worth_saving: bool  # what the slot holds is not on disk, and is worth a file
     held_opening: bool  # what the slot holds passes through a wanted opening with no entry
     # The store holds the stem of the request's system message (stems.py): it shares no
     # whole message, but the request extends it exactly.
     stem: bool = False
+    # Boundaries the request shares with what the slot holds, whatever the server reuses of
+    # them, and how many at the end of what it holds the request may drop and still go on
+    # from it.
+    shared: int = 0
+    may_drop: int = 0
+
+    @property
+    def goes_on(self) -> bool:
+        """The request goes on from what the slot holds (nothing worth a file is lost)."""
+        return self.shared > 0 and self.held_depth - self.shared <= self.may_drop
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ def decide(facts: Facts) -> Plan:
     move = choose(facts.resident, facts.stored, facts.restores_allowed)
     if move is Move.START_COLD and facts.stem and facts.restores_allowed:
         move = Move.RESTORE
+    save = facts.worth_saving and not facts.goes_on
     if move is Move.USE_RESIDENT:
         # A new session or a branch that parts from the slot's conversation replaces what
         # the slot holds past the part they share: that conversation is saved first (it
@@ -55,8 +68,8 @@ def decide(facts: Facts) -> Plan:
         branch = facts.resident < facts.held_depth
         return Plan(
             move,
-            save=branch and facts.worth_saving,
+            save=branch and save,
             leave_opening=branch and facts.held_opening,
             admit=False,
         )
-    return Plan(move, save=facts.worth_saving, leave_opening=facts.held_opening, admit=True)
+    return Plan(move, save=save, leave_opening=facts.held_opening, admit=True)

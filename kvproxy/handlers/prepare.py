@@ -104,7 +104,7 @@ class Preparer:
         if next_turn_of(slot, conv, resident):
             return NOTHING_FOUND
         found = await self.openings.find(conv) if self.backend.disk_enabled else NOTHING_FOUND
-        if observe:
+        if observe and conv.messages:
             # A rewrite is a habit of the client, not a branch whose opening is worth keeping.
             self.openings.observe(conv, self.pool, found.longest)
         return found
@@ -125,14 +125,17 @@ class Preparer:
         """The facts with no I/O: whether the slot's conversation passes through a wanted
         opening (an index query) is left False."""
         held = slot.holding
+        held_depth = len(held.chain) if held is not None else 0
         return Facts(
             resident=resident,
-            held_depth=len(held.chain) if held is not None else 0,
+            held_depth=held_depth,
             stored=found.best[1] if found.best is not None else None,
             restores_allowed=self.ctx.guard.allows(conv.namespace),
-            worth_saving=self.work.worth_saving(slot, conv.keys),
+            worth_saving=self.work.worth_saving(slot),
             held_opening=False,
             stem=found.stem,
+            shared=slot.shared_depth(conv.keys, conv.namespace),
+            may_drop=conv.tail.of(held_depth),
         )
 
     async def _vacate(self, slot: Slot, conv: Conversation, plan: Plan) -> None:

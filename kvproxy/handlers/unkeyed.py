@@ -17,58 +17,26 @@ from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
-from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import Decision
-from kvproxy.cache.slots import QueueFull, Slot
+from kvproxy.cache.slotpool import QueueFull
+from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.handlers.answers import busy_response, unreachable_response
-from kvproxy.handlers.prompts import Prompts
-from kvproxy.http import bodies as jsonbody
 from kvproxy.http.relay import RelayResult, relay
 from kvproxy.http.session import UpstreamError
-from kvproxy.wire import Conversation, several_slots
-from kvproxy.wire.prompts import read_prompt
 
 log = logging.getLogger("kvproxy.cache")
 
 
 class Unkeyed:
-    def __init__(self, ctx: CacheContext, work: SlotWork, openings: Openings) -> None:
+    def __init__(self, ctx: CacheContext, work: SlotWork) -> None:
         self.backend = ctx.backend
         self.settings = ctx.settings
         self.tenant_of = ctx.tenant_of
-        self.prompts = Prompts(ctx, work, openings)
         self.pool = ctx.backend.pool
         self.work = work
         self.events = ctx.events
         self.background = ctx.background
-
-    async def handle_pinned(self, request: web.Request, path_qs: str) -> web.StreamResponse:
-        body = await request.read()
-        parsed = jsonbody.parse(body)
-        if parsed.opaque:
-            # JSON kvproxy cannot read or write back: to the server as it came.
-            return await self.hold_all(request, path_qs, body)
-        payload = parsed.value
-        if not self.backend.enabled or not isinstance(payload, dict):
-            # Not a JSON object: the server refuses it before it touches a slot.
-            return (await self.relay_bypass(request, path_qs, body)).response
-        if several_slots(payload):
-            # The server would run the other completions on slots of its choosing.
-            return await self.hold_all(request, path_qs, body)
-        conv = read_prompt(
-            request.path,
-            payload,
-            self.backend.model_identity,
-            self.tenant_of(request.headers),
-        )
-        # Either way it goes out written from the parse: the raw copy is not held while it
-        # waits for a slot (incoming.py).
-        del body
-        jsonbody.let_go(request)
-        if isinstance(conv, Conversation):
-            return await self.prompts.serve(request, path_qs, conv)
-        return await self.forward_pinned(request, path_qs, payload)
 
     async def forward_pinned(
         self, request: web.Request, path_qs: str, payload: dict[str, Any]
@@ -154,8 +122,7 @@ class Unkeyed:
         """Before a request the cache does not key uses the slot: keep what would be lost."""
         try:
             await self.work.verify(slot)
-            if self.work.worth_saving(slot):
-                await self.work.save(slot)
+            await self.work.save_if_worth(slot)
         except UpstreamError as exc:
             log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
             slot.forget()

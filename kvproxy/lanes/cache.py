@@ -22,23 +22,19 @@ from typing import Any
 from aiohttp import web
 
 from kvproxy.cache.backend import Backend
-from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Events
 from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.leases import Background
-from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import RestoreGuard
-from kvproxy.cache.slots import Slot, SlotPool
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.slots import Slot
 from kvproxy.config import Settings
-from kvproxy.handlers.keyed import Conversations
-from kvproxy.handlers.unkeyed import Unkeyed
 from kvproxy.http.errors import loading_response
 from kvproxy.http.session import Upstream, UpstreamError
-from kvproxy.lanes.discovery import LaneList
-from kvproxy.lanes.dispatch import Router
+from kvproxy.lanes.discovery import Discovery
+from kvproxy.lanes.dispatch import Dispatch
 from kvproxy.lanes.lane import Lane, make_lane
 from kvproxy.lanes.stats import backend_state, slot_state, unsaved
 from kvproxy.store import Store, dirfiles
@@ -67,9 +63,11 @@ class ConversationCache:
         # and the parts every lane shares.
         several = len(upstreams) > 1
         self.lanes = [self._lane(upstream, several) for upstream in upstreams]
-        # A router-mode server's lanes are its models' (lanelist.py), found once it answers.
-        self.found = LaneList(self.lanes, self._model_lane)
-        self.router = Router(self.lanes, self.found.groups, self.opened, self.found.find_new)
+        # A router-mode server's lanes are its models' (discovery.py), found once it answers.
+        self.discovery = Discovery(self.lanes, self._model_lane)
+        self.dispatch = Dispatch(
+            self.lanes, self.discovery.groups, self.opened, self.discovery.find_new
+        )
         self._housekeeper: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
         self._habits_written = 0  # habits.changes when they were last written out
@@ -99,26 +97,6 @@ class ConversationCache:
     @property
     def backend(self) -> Backend:
         return self.lane.backend
-
-    @property
-    def work(self) -> SlotWork:
-        return self.lane.work
-
-    @property
-    def warmer(self) -> Warmer:
-        return self.lane.warmer
-
-    @property
-    def unkeyed(self) -> Unkeyed:
-        return self.lane.unkeyed
-
-    @property
-    def openings(self) -> Openings:
-        return self.lane.openings
-
-    @property
-    def conversations(self) -> Conversations:
-        return self.lane.conversations
 
     # --- what the scrape and the stats read
 
@@ -209,7 +187,7 @@ class ConversationCache:
         trimmed = self.habits.load(found)
         # A file past the bounds is written back trimmed at the next housekeeping tick.
         self._habits_written = self.habits.changes - int(trimmed)
-        await self.found.find()
+        await self.discovery.find()
         window = self.settings.live_window
         used = await self.store.used_since_async(time.time() - window) if window > 0 else []
         for lane in self.lanes:
@@ -218,7 +196,7 @@ class ConversationCache:
         await asyncio.gather(*(self._discover(lane) for lane in self.lanes))
         for lane in self.lanes:
             lane.warmer.enabled = True
-        self.found.serving = True
+        self.discovery.serving = True
         started.set()
         await self._housekeeping()
 
@@ -248,10 +226,6 @@ class ConversationCache:
                 return loading_response("Loading model (kvproxy is opening its cache dir)")
         return None
 
-    async def until_discovered(self, lane: Lane | None = None) -> web.Response | None:
-        """Before a slot-using request on `lane` (the first by default): see Router.ready."""
-        return await self.router.ready(lane or self.lane)
-
     async def started(self) -> None:
         """Wait until the cache dir is open and the server was looked for once (what
         `start` did before it returned, when the port bound only after the load)."""
@@ -264,7 +238,7 @@ class ConversationCache:
         saved by then is named in the log, and lost."""
         began = time.monotonic()
         budget = self.settings.shutdown_timeout if budget is None else budget
-        self.found.serving = False  # a model found from now on starts no saves either
+        self.discovery.serving = False  # a model found from now on starts no saves either
         for lane in self.lanes:
             lane.warmer.enabled = False  # a save under way finishes; no new one starts
         if self._housekeeper is not None:
@@ -343,7 +317,7 @@ class ConversationCache:
                 else:
                     await self.store.refresh_async()  # one row: what kvproxy rm|gc changed
                 if due:
-                    await self.found.look()  # models unloaded, asleep, new; routers come up
+                    await self.discovery.look()  # models unloaded, asleep, new; routers come up
                 # At once: a hung server's check must not hold back the others'.
                 await asyncio.gather(*(self._look_again(lane) for lane in due))
                 await self.lane.work.evict()

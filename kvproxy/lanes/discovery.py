@@ -26,7 +26,7 @@ log = logging.getLogger("kvproxy.cache")
 FIND_MODELS_INTERVAL = 1.0
 
 
-class LaneList:
+class Discovery:
     """`lanes`: the cache's own list, one lane per server, changed in place from then on;
     `make_lane(upstream, model)` builds a router model's lane."""
 

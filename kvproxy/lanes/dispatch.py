@@ -1,9 +1,10 @@
-"""Where a request goes when kvproxy fronts several llama-servers (lanes), by routing.py's
-rule: to the server holding the conversation, else one that can restore it now, else the
-least loaded. A server that cannot be reached before any byte of the reply went out leaves
-rotation, and the request goes to another server (restored there from the shared cache dir).
-
-With one server, every request goes to it exactly as before: no body is read here.
+"""Which lane (llama-server, or model of a router) a request goes to, and the one door of
+every keyed request (`keyed`): its body read once, the lane chosen by routing.py's rule (the
+server holding the conversation, else one that can restore it now, else the least loaded),
+readied once, and served there by the lane's keyed driver. A server that cannot be reached
+before any byte of the reply went out leaves rotation, and the request goes to another server
+(restored there from the shared cache dir). Requests the cache does not key get their lane
+from `pick` (the least loaded) or `lane_for` (a router's model).
 
 With router-mode servers, a request goes to a lane of the model its body names; with several
 routers (`--servers N --models-dir`), every router has a lane of each model, and the same rule
@@ -21,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from kvproxy.handlers.answers import not_ready_response
-from kvproxy.handlers.incoming import read_incoming
+from kvproxy.handlers.incoming import Incoming, read_incoming
 from kvproxy.http import bodies as jsonbody
 from kvproxy.http.errors import Unreachable
 from kvproxy.lanes.lane import Lane
@@ -32,7 +33,7 @@ from kvproxy.wire import Conversation, NotKeyed, WireAdapter
 log = logging.getLogger("kvproxy.cache")
 
 
-class Router:
+class Dispatch:
     def __init__(
         self,
         lanes: list[Lane],
@@ -42,7 +43,7 @@ class Router:
     ) -> None:
         self.lanes = lanes  # the cache's own list: a router's models, once found, change it
         # Router-mode servers: their models' lanes, by the name a request gives (models.py);
-        # the cache's own list (lanelist.py).
+        # the cache's own list (discovery.py).
         self.models = models
         # Waits until the cache dir is open and every server was looked for once (or answers
         # what the client gets instead).
@@ -107,7 +108,7 @@ class Router:
         views = []
         for lane in lanes:
             # Only a lane whose model kvproxy has looked at knows its namespace.
-            conv = lane.conversations.read(request, adapter, payload) if lane.in_rotation else None
+            conv = lane.keyed.read(request, adapter, payload) if lane.in_rotation else None
             views.append(_view(lane, conv if isinstance(conv, Conversation) else None))
         return found[picks[choose_lane(views)]]
 
@@ -152,56 +153,58 @@ class Router:
         finally:
             await group.done(lane)
 
-    async def handle_keyed(
+    async def keyed(
         self, request: web.Request, path_qs: str, adapter: WireAdapter
     ) -> web.StreamResponse:
-        if not self.models and len(self.lanes) == 1:
-            lane = self.lanes[0]
-            not_yet = await self.ready(lane)
-            if not_yet is not None:
-                return not_yet
-            if lane.backend.router:
-                # A router whose models kvproxy has not seen (it was down at start, or
-                # listed none): they may be there now.
-                await self._find_new()
-            if not self.models:
-                return await lane.conversations.handle_keyed(request, path_qs, adapter)
+        """The one door of every keyed request: its body read and parsed once, the server
+        chosen (the one holding its conversation, by routing.py's rule), readied, and the
+        request served there by the lane's driver (handlers/keyed.py). With several servers,
+        one that cannot be reached before any byte of the reply went out leaves rotation and
+        the request goes to another."""
+        incoming = await read_incoming(request)
+        if isinstance(incoming, web.Response):
+            return incoming
         not_yet = await self._opened()
         if not_yet is not None:
             return not_yet
         if not self.models and any(lane.backend.router for lane in self.lanes):
+            # A router whose models kvproxy has not seen (it was down at start, or listed
+            # none): they may be there now.
             await self._find_new()
         if self.models:
-            return await self._handle_model(request, path_qs, adapter)
-        incoming = await read_incoming(request)
-        if isinstance(incoming, web.Response):
-            return incoming
+            return await self._keyed_on_model(request, path_qs, adapter, incoming)
         parsed = incoming.parsed
         payload = parsed.value if not parsed.opaque and isinstance(parsed.value, dict) else None
         left = list(self.lanes)
         while True:
             lane, conv = self._choose(left, request, adapter, payload)
+            identity = lane.backend.model_identity
             answer: web.StreamResponse | None = await self.ready(lane)
+            if answer is None and lane.backend.router and not self.models:
+                # Found to be a router just now (it was down at start, or listed no model).
+                await self._find_new()
+                if self.models:
+                    return await self._keyed_on_model(request, path_qs, adapter, incoming)
             if answer is None:
-                answer = await lane.conversations.serve(request, path_qs, adapter, incoming, conv)
+                if lane.backend.model_identity != identity:
+                    conv = None  # read as another model's: read again on the server found
+                answer = await lane.keyed.serve(request, path_qs, adapter, incoming, conv)
                 if not (isinstance(answer, Unreachable) and not answer.prepared):
                     return answer
-                lane.backend.unreachable("a request found it unreachable")
-                log.warning("llama-server %s is unreachable: out of rotation", lane.name)
+                if len(self.lanes) > 1:
+                    lane.backend.unreachable("a request found it unreachable")
+                    log.warning("llama-server %s is unreachable: out of rotation", lane.name)
             left.remove(lane)
             if not left:
                 return answer
 
-    async def _handle_model(
-        self, request: web.Request, path_qs: str, adapter: WireAdapter
+    async def _keyed_on_model(
+        self, request: web.Request, path_qs: str, adapter: WireAdapter, incoming: Incoming
     ) -> web.StreamResponse:
         """With router models: to a lane of the model the body names, once its router runs
         it; a body naming none of them goes as it is (the router answers it). With several
         routers, one that cannot be reached before any byte went out leaves rotation and the
         request goes to another."""
-        incoming = await read_incoming(request)
-        if isinstance(incoming, web.Response):
-            return incoming
         parsed = incoming.parsed
         value = None if parsed.opaque else parsed.value
         left = await self._model_lanes(value)
@@ -218,9 +221,7 @@ class Router:
                 answer: web.StreamResponse | None = await self.ready(lane)
                 if answer is None:
                     # Read as a conversation of the model now that it runs (its identity).
-                    answer = await lane.conversations.serve(
-                        request, path_qs, adapter, incoming, None
-                    )
+                    answer = await lane.keyed.serve(request, path_qs, adapter, incoming, None)
                     if len(left) == 1 or not (
                         isinstance(answer, Unreachable) and not answer.prepared
                     ):
@@ -240,7 +241,10 @@ class Router:
         adapter: WireAdapter,
         payload: dict[str, Any] | None,
     ) -> tuple[Lane, Conversation | NotKeyed | None]:
-        """The lane for the request and the request read as a conversation of its model."""
+        """The lane for the request and the request read as a conversation of its model (one
+        lane: read there, after it is readied)."""
+        if len(lanes) == 1:
+            return lanes[0], None
         if payload is None:
             return lanes[least_loaded([_view(lane, None) for lane in lanes])], None
         # One reading per model identity (servers of one model share it).
@@ -249,7 +253,7 @@ class Router:
         for lane in lanes:
             identity = lane.backend.model_identity
             if identity not in read:
-                read[identity] = lane.conversations.read(request, adapter, payload)
+                read[identity] = lane.keyed.read(request, adapter, payload)
             convs.append(read[identity])
         views = [
             _view(lane, conv if isinstance(conv, Conversation) else None)

@@ -1,10 +1,10 @@
 """One lane: one llama-server kvproxy sends work to, with every part that works on its slots.
 
-A lane is a backend (backend.py: the server's client, slot pool and model identity) and the
-parts built on it: slot work, background saves, the unkeyed paths, openings and the keyed
-path. Every lane shares the cache's store, habits, restore guard, events and background work
-(the context's other fields), so a conversation saved through one lane is found by any lane
-whose model identity (and so namespace) is the same.
+A lane is a backend (cache/backend.py: the server's client, slot pool and model identity) and
+the parts built on it: slot work, background saves, openings, the keyed driver and the
+unkeyed paths. Every lane shares the cache's store, habits, restore guard, events and
+background work (the context's other fields), so a conversation saved through one lane is
+found by any lane whose model identity (and so namespace) is the same.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.openings import Openings
-from kvproxy.cache.slots import QueueFull, SlotPool
+from kvproxy.cache.slotpool import QueueFull, SlotPool
 from kvproxy.cache.slotwork import SlotWork
-from kvproxy.handlers.keyed import Conversations
+from kvproxy.handlers.keyed import Keyed
 from kvproxy.handlers.prepare import Preparer
+from kvproxy.handlers.report import Report
 from kvproxy.handlers.unkeyed import Unkeyed
 from kvproxy.http.session import UpstreamError
 
@@ -39,14 +40,11 @@ class Lane:
             settings.background_save_wait,
         )
         self.openings = Openings(ctx, self.work)
-        self.unkeyed = Unkeyed(ctx, self.work, self.openings)
-        preparer = Preparer(
-            ctx,
-            self.work,
-            self.openings,
-            HabitLearning(ctx.habits, ctx.backend, ctx.store, ctx.background),
-        )
-        self.conversations = Conversations(ctx, self.work, preparer, self.unkeyed, self.warmer)
+        self.unkeyed = Unkeyed(ctx, self.work)
+        learner = HabitLearning(ctx.habits, ctx.backend, ctx.store, ctx.background)
+        preparer = Preparer(ctx, self.work, self.openings, learner)
+        report = Report(ctx, self.openings)
+        self.keyed = Keyed(ctx, self.work, preparer, self.unkeyed, self.warmer, report)
 
     @property
     def pool(self) -> SlotPool:
@@ -60,8 +58,7 @@ class Lane:
             try:
                 await self.work.verify(got)
                 # A slot that was busy is judged now that its work has ended.
-                if self.work.worth_saving(got):
-                    await self.work.save(got)
+                await self.work.save_if_worth(got)
             finally:
                 self.pool.release(got)
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvproxy.cache.slots import SlotPool
+from kvproxy.cache.slotpool import SlotPool
 
 
 class Gauged(Protocol):

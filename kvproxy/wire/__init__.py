@@ -3,7 +3,8 @@ the cache can key (or says why it cannot), writes the body pinned to a slot, and
 the reply from the bytes relayed back. It knows no aiohttp server internals and no slots.
 
 Chat completions (chat.py), Anthropic Messages (messages.py, with the conversion in
-anthropic.py) and OpenAI Responses (responses.py).
+anthropic.py), OpenAI Responses (responses.py), and text completions and code infill
+(prompts.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ from kvproxy import keys
 from kvproxy.wire.capture import Reply
 
 
+@dataclass(frozen=True)
+class Tail:
+    """How much of the end of what a slot holds a request may drop and still go on from it
+    (nothing there is worth a save first): at least `boundaries`, or `share` of them."""
+
+    boundaries: int
+    share: float = 0.0
+
+    def of(self, held_depth: int) -> int:
+        return max(self.boundaries, int(held_depth * self.share))
+
+
+# A chat may drop the slot's last message: a regenerated reply.
+CHAT_TAIL = Tail(1)
+
+
 @dataclass
 class Conversation:
     """One keyed request: what the cache needs to know about it."""
@@ -26,6 +43,9 @@ class Conversation:
     messages: list[Any]
     template: dict[str, Any]  # request fields the chat template reads besides the messages
     tenant: str | None = None  # keys.tenant_of the request: who may share its slot's tokens
+    # What this request may drop of the end of a slot's state and still go on from it,
+    # rather than replace it (a chat's regenerated reply; an editor's next completion).
+    tail: Tail = CHAT_TAIL
 
 
 @dataclass(frozen=True)
@@ -100,8 +120,9 @@ class WireAdapter(Protocol):
 
     def capture(self, conversation: Conversation) -> Capture: ...
 
-    def echoed(self, reply: Reply) -> dict[str, Any]:
-        """The reply as the client will send it back in its next request."""
+    def echoed(self, reply: Reply) -> dict[str, Any] | None:
+        """The reply as the client will send it back in its next request (None: the next
+        request does not carry it, as a prompt's)."""
         ...
 
 

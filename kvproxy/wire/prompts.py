@@ -11,6 +11,12 @@ a block: the slot the server itself would pick, and the stored state it would re
 `format_prompt_infill`): the extra context chunks (`input_extra`, each a file name and its
 text), then `input_prefix`; the suffix and the text after the cursor follow the prefix in
 the assembled prompt, so they only ever extend it.
+
+The reply adds nothing to the keys (an editor's next request is its own prompt again): what
+a slot holds after it is the prompt's chain. A text completion that keeps all but the last
+tenth of what a slot holds goes on from it (`Conversation.tail`: an editor's next
+request at the same place); `/infill` does not, as the server truncates the prompt it
+assembles (blocks equal from the start can still be different tokens).
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ from typing import Any
 import orjson
 
 from kvproxy import keys
-from kvproxy.wire import Conversation, NotKeyed, several_slots
+from kvproxy.wire import Conversation, NotKeyed, Tail, several_slots
+from kvproxy.wire.capture import CapturedBytes, Reply
 
 BLOCK_CHARS = 256
+# What a text completion may drop of a slot's state and still go on from it (the same text,
+# edited near its end: an editor's next request): its last tenth, one block at least.
+NEAR_END = Tail(1, 0.1)
+# An infill drops nothing: blocks equal from the start can still be different tokens.
+EXACT = Tail(0)
 
 # Routes whose body is a raw prompt, by the namespace they key in: `/completion` and the
 # OpenAI-compatible `/v1/completions` tokenize the same prompt alike.
@@ -77,11 +89,9 @@ def _infill_text(payload: Mapping[str, Any]) -> str | None:
 
 
 def read_prompt(
-    path: str, payload: Mapping[str, Any], model_identity: str, tenant: str | None
+    kind: str, payload: Mapping[str, Any], model_identity: str, tenant: str | None
 ) -> Conversation | NotKeyed:
-    kind = PROMPT_ROUTES.get(path)
-    if kind is None:
-        return NotKeyed("not a prompt route")
+    """A prompt of `kind` ("completion" or "infill", PROMPT_ROUTES) as a conversation."""
     if several_slots(payload):
         return NotKeyed("more than one completion (n, n_cmpl)", several_slots=True)
     if payload.get("cache_prompt") is False:
@@ -91,4 +101,69 @@ def read_prompt(
         return NotKeyed("no single text prompt")
     ns = keys.namespace(f"{model_identity}\0{kind}", {}, tenant)
     chain = keys.chain(ns, _blocks(text))
-    return Conversation(dict(payload), ns, chain, [], {}, tenant)
+    tail = NEAR_END if kind == "completion" else EXACT
+    return Conversation(dict(payload), ns, chain, [], {}, tenant, tail=tail)
+
+
+class PromptAdapter:
+    """`/completion`, `/v1/completions` (kind "completion") or `/infill` (kind "infill")."""
+
+    route_pins = True
+
+    def __init__(self, kind: str) -> None:
+        self.name = kind
+        self.kind = kind
+
+    def read(
+        self, payload: dict[str, Any], model_identity: str, tenant: str | None
+    ) -> Conversation | NotKeyed:
+        return read_prompt(self.kind, payload, model_identity, tenant)
+
+    def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
+        return orjson.dumps({**payload, "id_slot": slot_id})
+
+    def upstream_path(self, path_qs: str) -> str:
+        return path_qs
+
+    def translator(self, conversation: Conversation) -> None:
+        return None
+
+    def capture(self, conversation: Conversation) -> PromptCapture:
+        return PromptCapture(streaming=bool(conversation.payload.get("stream")))
+
+    def echoed(self, reply: Reply) -> None:
+        return None  # the next request is a prompt of its own: the reply adds no key
+
+
+class PromptCapture(CapturedBytes):
+    """A completion's end, streamed or not: whether it came whole, and its timings. The
+    server's own completion (server-task.cpp `to_json_non_oaicompat`: `"stop": true`) or the
+    OpenAI one (`to_json_oaicompat`: a choice with a `finish_reason`)."""
+
+    def finish(self) -> Reply | None:
+        if self._overflow:
+            return None
+        reply = Reply()
+        try:
+            if self.streaming:
+                for line in bytes(self._buf).replace(b"\r\n", b"\n").split(b"\n"):
+                    data = line[5:].strip() if line.startswith(b"data:") else b""
+                    if data and data != b"[DONE]":
+                        _read_final(orjson.loads(data), reply)
+            else:
+                _read_final(orjson.loads(bytes(self._buf)), reply)
+        except (orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
+            return None
+        return reply
+
+
+def _read_final(chunk: Any, reply: Reply) -> None:
+    if not isinstance(chunk, dict):
+        return
+    if isinstance(chunk.get("timings"), dict):
+        reply.timings = chunk["timings"]
+    if chunk.get("stop") is True:
+        reply.finish_reason = "length" if chunk.get("stop_type") == "limit" else "stop"
+    for choice in chunk.get("choices") or []:
+        if isinstance(choice, dict) and choice.get("finish_reason"):
+            reply.finish_reason = str(choice["finish_reason"])

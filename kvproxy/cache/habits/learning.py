@@ -26,6 +26,8 @@ class HabitLearning:
     def from_slot(self, slot: Slot, conv: Conversation) -> bool:
         """Learn from the conversation the slot holds, else (in the background) from the
         stored one. True when the slot's conversation showed a rewrite."""
+        if not conv.messages:
+            return False  # a prompt: no messages to rewrite
         held = slot.holding
         if held is not None and held.messages and held.namespace == conv.namespace:
             shared = slot.shared_depth(conv.keys, conv.namespace)
