@@ -104,14 +104,14 @@ def test_case_rows_sit_beside_the_server_alone_s_in_the_one_table() -> None:
     ]
 
 
-def test_the_dated_prompt_parts_at_its_date_line_where_a_stem_ends() -> None:
+def test_the_dated_prompt_parts_at_its_date_where_a_stem_ends() -> None:
     day1, day2 = dated_prompt(1, 1400), dated_prompt(2, 1400)
     parted = next(i for i, (a, b) in enumerate(zip(day1, day2, strict=True)) if a != b)
     head = day1[: day1.rfind("\n", 0, parted) + 1]
     assert day1[len(head) :].startswith("Current date: 2026-12-01\n")
     assert day2[len(head) :].startswith("Current date: 2026-12-02\n")
     assert day1.endswith(day2[day2.index("\n", len(head)) :])  # the same tail
-    assert presumed_cut(day1) == len(head) > MIN_STEM_CHARS
+    assert presumed_cut(day1) == len(head + "Current date: ") > MIN_STEM_CHARS
 
 
 async def test_the_tap_hangs_up_upstream_when_its_client_does() -> None:
