@@ -25,6 +25,7 @@ from kvproxy.cache.events import Count, RequestEvent
 from kvproxy.cache.explain import explain_against, why_weak
 from kvproxy.cache.incoming import Incoming, read_incoming
 from kvproxy.cache.leases import Lease
+from kvproxy.cache.liveness import Hung
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.prepared import Prepared
@@ -114,10 +115,14 @@ class Conversations:
             return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
         incoming.let_go(request)  # it goes out written from the parse: held once while queued
 
+        # Until a byte of the reply goes out, a server found hung sends the request elsewhere.
+        unless_hung = self.backend.liveness.unless_hung
         try:
-            slot, _ = await self.pool.acquire(
-                conv.keys, conv.namespace, serves=self.preparer.serves(conv)
+            slot, _ = await unless_hung(
+                self.pool.acquire(conv.keys, conv.namespace, serves=self.preparer.serves(conv))
             )
+        except Hung as exc:
+            return unreachable_response(exc)
         except QueueFull as exc:
             waited = time.perf_counter() - started
             self.events.request(
@@ -140,7 +145,9 @@ class Conversations:
             try:
                 prepared = self.preparer.at_once(slot, conv)  # the steady state: no I/O, no task
                 if prepared is None:
-                    prepared = await lease.guarded(self.preparer.prepare_or_miss(slot, conv))
+                    prepared = await unless_hung(
+                        lease.guarded(self.preparer.prepare_or_miss(slot, conv))
+                    )
             except asyncio.CancelledError:
                 # Gone while kvproxy readied its slot (a restore, an opening's evaluation,
                 # which go on): nothing was served, and the request is reported as such.
@@ -150,7 +157,8 @@ class Conversations:
                 self.events.request(event)
                 raise
             except UpstreamError as exc:
-                # The slot may hold another tenant's tokens and could not be erased.
+                # The slot may hold another tenant's tokens and could not be erased; or the
+                # server was found hung (Hung) while kvproxy readied the slot.
                 return unreachable_response(exc)
             capture = adapter.capture(conv)
             try:
@@ -163,6 +171,7 @@ class Conversations:
                     extra_headers=prepared.headers(),
                     tap=capture.feed,
                     translator=adapter.translator(conv),
+                    until_headers=unless_hung,
                 )
             except asyncio.CancelledError:
                 # The client hung up. Clients that stop reading at the reply's last event

@@ -1,7 +1,8 @@
 """Where a request goes when kvproxy fronts several llama-servers (lanes), by routing.py's
 rule: to the server holding the conversation, else one that can restore it now, else the
 least loaded. A server that cannot be reached before any byte of the reply went out leaves
-rotation, and the request goes to another server (restored there from the shared cache dir).
+rotation, and the request goes to another server (restored there from the shared cache dir);
+so does one found hung while the request waited on it (liveness.py).
 
 With one server, every request goes to it exactly as before: no body is read here.
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvproxy.cache.backend import Backend
 from kvproxy.cache.incoming import read_incoming
 from kvproxy.cache.lane import Lane
 from kvproxy.cache.models import RouterModels
@@ -58,6 +60,16 @@ class Router:
             return not_yet
         await lane.backend.rediscover_if_off()
         return lane.backend.not_ready()
+
+    def elsewhere(self, backend: Backend) -> bool:
+        """Whether a request waiting on `backend`'s server could go to another one now: one
+        in rotation that serves the same model (for a router's lanes, the same one)."""
+        return any(
+            lane.in_rotation
+            and lane.backend.upstream.base_url != backend.upstream.base_url
+            and lane.backend.model == backend.model
+            for lane in self.lanes
+        )
 
     def pick(self) -> Lane:
         """The server for a request the cache does not key."""
