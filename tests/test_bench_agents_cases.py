@@ -44,6 +44,7 @@ def test_each_case_runs_with_the_clients_that_can_play_it() -> None:
     assert case_clients(Case.INTERRUPTED, (CODEX, OPENCLAW)) == ()
     assert case_clients(Case.DATE_CHANGE, everyone) == (SDK,)
     assert case_clients(Case.DATE_CHANGE, (CODEX,)) == ()
+    assert case_clients(Case.DATE_IN_SENTENCE, everyone) == (SDK,)
     # The pair first; the SDK loop stands in when fewer than two agents are there.
     assert case_clients(Case.TWO_AGENTS, everyone) == (OPENCLAW, CLAUDE_CODE)
     assert case_clients(Case.TWO_AGENTS, (SDK, CODEX)) == (CODEX, SDK)
@@ -104,13 +105,23 @@ def test_case_rows_sit_beside_the_server_alone_s_in_the_one_table() -> None:
     ]
 
 
-def test_the_dated_prompt_parts_at_its_date_line_where_a_stem_ends() -> None:
+def test_the_dated_prompt_parts_at_its_date_where_a_stem_ends() -> None:
     day1, day2 = dated_prompt(1, 1400), dated_prompt(2, 1400)
     parted = next(i for i, (a, b) in enumerate(zip(day1, day2, strict=True)) if a != b)
     head = day1[: day1.rfind("\n", 0, parted) + 1]
     assert day1[len(head) :].startswith("Current date: 2026-12-01\n")
     assert day2[len(head) :].startswith("Current date: 2026-12-02\n")
     assert day1.endswith(day2[day2.index("\n", len(head)) :])  # the same tail
+    assert presumed_cut(day1) == len(head + "Current date: ") > MIN_STEM_CHARS
+
+
+def test_the_one_paragraph_dated_prompt_parts_inside_a_sentence_where_a_stem_ends() -> None:
+    day1, day2 = dated_prompt(1, 1400, in_sentence=True), dated_prompt(2, 1400, True)
+    assert "\n" not in day1
+    parted = next(i for i, (a, b) in enumerate(zip(day1, day2, strict=True)) if a != b)
+    head = day1[: day1.index("2026-12-01")]
+    assert head.endswith("Write the daily reports. Current date: ") and len(head) < parted
+    assert day1[len(head) :].startswith("2026-12-01. The crews")
     assert presumed_cut(day1) == len(head) > MIN_STEM_CHARS
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from kvproxy.cli.stats import render_stats
 from kvproxy.config import Settings
+from kvproxy.handlers.prepare import SNAPSHOT_TRUST
 
 from .conftest import RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
@@ -215,3 +216,66 @@ async def test_a_hung_server_leaves_rotation_and_rejoins_when_it_answers(
     async with asyncio.timeout(30):
         while not lane.in_rotation:
             await asyncio.sleep(0.1)
+
+
+# How long the tests below wait for answers while a server stays hung: well past the time its
+# check takes to find it hung, and short of for ever, which is how long a request held on it
+# waited before (until the server answered again).
+PATIENCE = 30.0
+
+
+async def test_requests_already_on_a_server_found_hung_go_to_the_other(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    """New conversations sent as a server hangs, before its check finds it hung: those it
+    drew (its idle slots) wait there for kvproxy's own calls (a fresh server's slots are
+    erased before a tenant's first use), headers that never come, or one of its slots. Once it
+    is found hung they are served by the other, long before it answers again."""
+    fakes, proxy = pair
+    hung, other = fakes
+    hung.frozen = True
+    before = len(hung.requests)
+    sent = [asyncio.create_task(chat(proxy, conv(30 + n))) for n in range(6)]
+    try:
+        done, pending = await asyncio.wait(sent, timeout=PATIENCE)
+        # Some went there first (kvproxy's own calls for them, or the chats themselves).
+        assert [r for r in hung.requests[before:] if r[1] != "/props"]
+        assert not pending, f"{len(pending)} of 6 still held by the hung server"
+        assert [t.result()[0] for t in done] == [200] * 6
+        assert chats_on(other) == 6
+    finally:
+        for task in sent:
+            task.cancel()
+        hung.frozen = False
+
+
+async def test_a_turn_waiting_on_kvproxys_own_call_to_a_hung_server_goes_to_the_other(
+    pair: tuple[list[FakeLlamaServer], RunningProxy],
+) -> None:
+    """A returning conversation goes to the server holding it; hung, that server does not
+    answer kvproxy's check of the slot (GET /slots, before the slot is trusted). Once the
+    server is found hung, the turn is restored from disk on the other."""
+    fakes, proxy = pair
+    first = conv(1)
+    _, body, _ = await chat(proxy, first)
+    home = next(f for f in fakes if chats_on(f) == 1)
+    other = next(f for f in fakes if f is not home)
+    lane = next(lane for lane in proxy.cache.lanes if lane.backend.upstream.base_url == home.url)
+    slot = next(s for s in lane.pool.slots if s.holding is not None)
+    got, _ = await lane.pool.acquire(wanted=slot.id)
+    try:
+        await lane.work.verify(got)
+        await lane.work.save(got)  # as an idle save would
+    finally:
+        lane.pool.release(got)
+    slot.seen_at -= SNAPSHOT_TRUST  # a while later: what the slot holds is checked first
+    home.frozen = True
+    before = len(home.requests)
+    try:
+        status, body2, headers = await asyncio.wait_for(chat(proxy, then(first, body)), PATIENCE)
+        assert [r[1] for r in home.requests[before:]][:1] == ["/slots"]  # it waited there
+        assert status == 200, body2
+        assert headers["X-KVProxy-Cache"] == "restored"
+        assert chats_on(other) == 1
+    finally:
+        home.frozen = False

@@ -6,6 +6,8 @@
 - **date-change**: a long system prompt with a `Current date:` line ~400 tokens before its
   end (as OpenClaw writes one); the next day's new session, after other conversations took
   every slot, against what it shares with the first day's: the unchanged head.
+- **date-in-a-sentence**: the same, the prompt one paragraph and the date inside a sentence
+  (`… reports. Current date: 2026-12-02. The crews …`).
 - **two-agents**: two clients' sessions interleaved on one server, a third plain
   conversation between every turn (three conversations, two slots: the slots churn).
 
@@ -48,10 +50,12 @@ if TYPE_CHECKING:
 class Case(enum.Enum):
     INTERRUPTED = "interrupted"
     DATE_CHANGE = "date-change"
+    DATE_IN_SENTENCE = "date-in-a-sentence"
     TWO_AGENTS = "two-agents"
 
 
 CASES = tuple(c.value for c in Case)
+DATED = (Case.DATE_CHANGE, Case.DATE_IN_SENTENCE)
 
 
 class Do(enum.Enum):
@@ -74,6 +78,7 @@ class CaseStep:
 INTERRUPTED_TURN = "interrupted: 2 (stopped mid-reply)"
 AFTER_INTERRUPT = "interrupted: 3 (the next turn)"
 NEW_DAY = "date change: new session, next day"
+NEW_DAY_IN_SENTENCE = "date in a sentence: new session, next day"
 TWO_AGENTS_LATER = ("two agents: 2", "two agents: 3")
 CHURN = CaseStep(Do.CHURN)
 
@@ -87,6 +92,15 @@ PLANS: dict[Case, tuple[CaseStep, ...]] = {
         CaseStep(Do.TURN, "date change: day 1", first=True, message="Which fact names a tower?"),
         CaseStep(Do.EVICT),
         CaseStep(Do.TURN, NEW_DAY, session=2, first=True, message="How heavy is fact 3?"),
+    ),
+    Case.DATE_IN_SENTENCE: (
+        CaseStep(
+            Do.TURN, "date in a sentence: day 1", first=True, message="Which fact names a tower?"
+        ),
+        CaseStep(Do.EVICT),
+        CaseStep(
+            Do.TURN, NEW_DAY_IN_SENTENCE, session=2, first=True, message="How heavy is fact 3?"
+        ),
     ),
     Case.TWO_AGENTS: (
         CaseStep(Do.TURN, "two agents: 1", 0, first=True, message="Say hi."),
@@ -108,6 +122,7 @@ PLANS: dict[Case, tuple[CaseStep, ...]] = {
 TARGETS: dict[str, float] = {
     AFTER_INTERRUPT: 0.95,
     NEW_DAY: 0.90,
+    NEW_DAY_IN_SENTENCE: 0.90,
     **{label: 0.99 for label in TWO_AGENTS_LATER},
 }
 # Two agents at once: the agents first (the issue's pair first), the SDK loop when fewer than
@@ -119,7 +134,7 @@ def case_clients(case: Case, chosen: Sequence[str]) -> tuple[str, ...]:
     """The clients a case runs with, of those chosen for the run; () when it cannot run."""
     if case is Case.INTERRUPTED:
         return tuple(c for c in chosen if c in INTERRUPTIBLE)
-    if case is Case.DATE_CHANGE:
+    if case in DATED:
         return (SDK,) if SDK in chosen else ()
     pair = tuple(c for c in PAIR_ORDER if c in chosen)[:2]
     return pair if len(pair) == 2 else ()
@@ -164,8 +179,9 @@ async def run_case(
                         home = env.new_dir(f"{case.value}-{name}-home")
                         settings = Settings(home, tap.url, opts.max_output, opts.sdk_prompt_tokens)
                         driver = make_driver(name, settings, chosen[name])
-                        if case is Case.DATE_CHANGE:
-                            driver = SdkDriver(settings, dated=True)
+                        if case in DATED:
+                            in_sentence = case is Case.DATE_IN_SENTENCE
+                            driver = SdkDriver(settings, dated=True, date_in_sentence=in_sentence)
                         drivers.append(driver)
                     await _run_steps(client, case, arm, tap, drivers, opts, result)
                 finally:

@@ -75,13 +75,18 @@ class Interruptible(Driver, Protocol):
         ...
 
 
-def dated_prompt(day: int, head_tokens: int) -> str:
+def dated_prompt(day: int, head_tokens: int, in_sentence: bool = False) -> str:
     """A long system prompt with the day's date on a line ~400 tokens before its end (as
     OpenClaw writes `Current date: …` into its own): sessions of different days share the
-    ~`head_tokens`-token head, and part at the date."""
+    ~`head_tokens`-token head, and part at the date. `in_sentence`: the whole prompt is one
+    paragraph, the date inside a sentence (`… reports. Current date: 2026-12-03. The …`)."""
     from kvproxy_bench.dialogues import facts_for
 
     head = system_prompt(7, facts_for(head_tokens))
+    if in_sentence:
+        tail = "".join(f"restock shelf {i % 13} before noon, then " for i in range(40))
+        date = f"Current date: 2026-12-{day:02d}."
+        return f"{head.replace(chr(10), ' ')} Write the daily reports. {date} The crews {tail}rest."
     tail = "".join(f"Note {i}: restock shelf {i % 13} before noon.\n" for i in range(40))
     return f"{head}\nCurrent date: 2026-12-{day:02d}\n{tail}"
 
@@ -118,6 +123,7 @@ class SdkDriver:
     name: str = SDK
     sessions: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     dated: bool = False  # the system prompt of dated_prompt: session N is on day N
+    date_in_sentence: bool = False  # dated_prompt's one-paragraph form
     _client: Any = None
 
     async def prepare(self) -> str | None:
@@ -132,7 +138,9 @@ class SdkDriver:
         if first:
             tokens = self.settings.sdk_prompt_tokens
             prompt = (
-                dated_prompt(session, tokens) if self.dated else system_prompt(7, facts_for(tokens))
+                dated_prompt(session, tokens, self.date_in_sentence)
+                if self.dated
+                else system_prompt(7, facts_for(tokens))
             )
             self.sessions[session] = [{"role": "system", "content": prompt}]
         messages = self.sessions[session]

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+from kvproxy.cache.liveness import Liveness, no_answer
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
@@ -98,6 +99,8 @@ class Backend:
         # A request could not reach the server: what its slots held is distrusted once it
         # answers again (it may have been restarted, empty).
         self._lost = False
+        # Whether its last look got no answer at all: requests waiting on it go elsewhere.
+        self.liveness = Liveness()
 
     def refuses_slot_actions(self) -> None:
         """The server answered a slot action 501 (no --slot-save-path): no saves or restores."""
@@ -176,8 +179,11 @@ class Backend:
         except UpstreamError as exc:
             self.down = exc
             self._lost = self._lost or self.several
+            if no_answer(exc):
+                self.liveness.found_hung()
             raise
         self.down = None
+        self.liveness.answered()
         self.router = self.model is None and is_router(props)
         if self._lost:
             self._lost = False

@@ -1,4 +1,4 @@
-"""What every part of the cache is given: built once, by `ConversationCache` (wiring.py)."""
+"""What every part of the cache is given: built once, by `ConversationCache` (lanes/cache.py)."""
 
 from __future__ import annotations
 

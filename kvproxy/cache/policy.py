@@ -4,7 +4,7 @@ For each keyed request: use what the slot holds, restore a longer prefix from di
 cold (`choose`); whether what a slot holds is worth a save before it is lost
 (`worth_saving`); whether a restore was reused by the server (`judge_restore`), and when
 restoring stops paying for a namespace (`RestoreGuard`). The plan (plan.py) and
-prepare.py ask; slotio.py does the I/O.
+prepare.py ask; slotwork.py does the I/O.
 """
 
 from __future__ import annotations

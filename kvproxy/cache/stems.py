@@ -5,15 +5,19 @@ OpenClaw writes `Current date: 2026-12-01` into its ~10k-token system prompt ~1,
 before its end. At midnight every new session's system message differs from every stored one,
 so no key is shared, and on a sliding-window, recurrent or hybrid model nothing stored could
 serve the new session anyway (a restored state serves only what extends it, or parts near its
-end). A stem entry ends just before the line that changes: every session with the same head
+end). A stem entry ends just before the text that changes: every session with the same head
 extends it exactly, on every model class, and the date change costs only the tail.
 
 Where a stem ends (a cut, in characters of the leading system message) is presumed where the
 text shows a date or time, and learnt where requests were seen to part inside a long system
-message from the closest known conversation (the miss explanation). A cut is always a line
-start, so the text before it renders and tokenises alike whatever follows. The stem's tokens
-are the common prefix of two renders that differ right after the cut (as the canonical prefix
-is found), and its key hashes the namespace, the role and the text before the cut.
+message from the closest known conversation (the miss explanation). A cut is the start of the
+word that changes, wherever it stands (on a line of its own or inside a sentence: `… reports.
+Current date: 2026-12-03. The crews …`). Its key hashes the namespace, the role and the text
+before the cut; its tokens are where the renders part at the token level: the common prefix
+of two renders of the message's start that differ only in that word's letters and digits
+(the text as it is, and the word with each letter and digit moved on by one), as another day's
+text differs. A tokeniser may join the cut's last characters to the word after it (a space, a
+colon): the tokens end before any such join, so every text that differs there extends them.
 """
 
 from __future__ import annotations
@@ -61,17 +65,24 @@ def system_text(messages: Sequence[Any]) -> str | None:
     return content if isinstance(content, str) else None
 
 
-def line_start(text: str, at: int) -> int:
-    return text.rfind("\n", 0, at) + 1
+# Characters of the text after a cut that its probes render (the changing word and a little
+# after it; what follows does not move where the two renders part).
+PROBE_TAIL_CHARS = 64
+
+
+def word_start(text: str, at: int) -> int:
+    """The start of the whitespace-delimited word holding character `at`."""
+    while at > 0 and not text[at - 1].isspace():
+        at -= 1
+    return at
 
 
 def presumed_cut(text: str) -> int | None:
-    """The start of the first line showing a date, time or id, when enough comes before."""
-    found = VOLATILE.search(text)
-    if found is None:
-        return None
-    cut = line_start(text, found.start())
-    return cut if cut >= MIN_STEM_CHARS else None
+    """The start of the first date, time or id with enough text before it."""
+    for found in VOLATILE.finditer(text):
+        if found.start() >= MIN_STEM_CHARS:
+            return found.start()
+    return None
 
 
 def stem_key(namespace: str, messages: Sequence[Any], cut: int) -> str | None:
@@ -83,13 +94,31 @@ def stem_key(namespace: str, messages: Sequence[Any], cut: int) -> str | None:
     return keys.stem(namespace, role, text[:cut])
 
 
+def moved_on(text: str) -> str:
+    """`text` with each ASCII letter and digit of its first word moved on by one (a to b, z to
+    a, 9 to 0): the same shape of word, another value, and a different first character."""
+    out = []
+    word = True
+    for i, ch in enumerate(text):
+        if ch.isspace() and i > 0:
+            word = False
+        if word and ch.isascii() and ch.isalnum():
+            base, span = ("0", 10) if ch.isdigit() else ("a" if ch.islower() else "A", 26)
+            ch = chr(ord(base) + (ord(ch) - ord(base) + 1) % span)
+        out.append(ch)
+    return "".join(out)
+
+
 def stem_probes(messages: Sequence[Any], cut: int) -> list[list[dict[str, Any]]]:
-    """Two one-message conversations that share exactly the stem: their common tokens are
-    the stem's."""
+    """Two one-message conversations that part right at the cut, as two days' texts do: the
+    common prefix of their tokens is the stem's."""
     text = system_text(messages)
     assert text is not None
     role = str(messages[0]["role"])
-    return [[{"role": role, "content": text[:cut] + tail}] for tail in ("A", "Zebra, 42?")]
+    tail = text[cut : cut + PROBE_TAIL_CHARS]
+    other = moved_on(tail)
+    tails = (tail, other) if other[:1] != tail[:1] else ("A", "Zebra, 42?")
+    return [[{"role": role, "content": text[:cut] + t}] for t in tails]
 
 
 class Cuts:
@@ -111,11 +140,12 @@ class Cuts:
 
     def learn(self, namespace: str, messages: Sequence[Any], index: int, offset: int) -> None:
         """A request parted from the closest known conversation in message `index` at
-        character `offset`: inside a long system message, that line starts a stem."""
+        character `offset`: inside a long system message, the word there starts what changes
+        between sessions (a stem ends before it)."""
         text = system_text(messages)
         if index != 0 or text is None or offset >= len(text):
             return
-        cut = line_start(text, offset)
+        cut = word_start(text, offset)
         if cut < MIN_STEM_CHARS:
             return
         seen = self._learnt.setdefault(namespace, {})

@@ -112,7 +112,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--install", action="store_true", help="install the missing agents first")
     p.add_argument(
         "--cases",
-        help="comma-separated: interrupted,date-change,two-agents (default all; none: plan only)",
+        help=(
+            "comma-separated: interrupted,date-change,date-in-a-sentence,two-agents "
+            "(default all; none: plan only)"
+        ),
     )
     p.add_argument("--no-plan", dest="plan", action="store_false", help="the cases only")
     p.add_argument("--max-output", type=int, help="reply cap, tokens")

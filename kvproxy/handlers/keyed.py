@@ -21,6 +21,7 @@ from aiohttp import web
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.leases import Lease
+from kvproxy.cache.liveness import Hung
 from kvproxy.cache.slotpool import QueueFull
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
@@ -95,10 +96,14 @@ class Keyed:
                 return await self.unkeyed.forward_pinned(request, path_qs, payload)
             return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
         incoming.let_go(request)  # it goes out written from the parse: held once while queued
+        # Until a byte of the reply goes out, a server found hung sends the request elsewhere.
+        unless_hung = self.backend.liveness.unless_hung
         try:
-            slot, _ = await self.pool.acquire(
-                conv.keys, conv.namespace, serves=self.preparer.serves(conv)
+            slot, _ = await unless_hung(
+                self.pool.acquire(conv.keys, conv.namespace, serves=self.preparer.serves(conv))
             )
+        except Hung as exc:
+            return unreachable_response(exc)
         except QueueFull as exc:
             self.report.busy(request.path, conv, incoming.started)
             return busy_response(exc)
@@ -125,14 +130,17 @@ class Keyed:
         try:
             prepared = self.preparer.at_once(slot, conv)  # the steady state: no I/O, no task
             if prepared is None:
-                prepared = await lease.guarded(self.preparer.prepare_or_miss(slot, conv))
+                prepared = await self.backend.liveness.unless_hung(
+                    lease.guarded(self.preparer.prepare_or_miss(slot, conv))
+                )
         except asyncio.CancelledError:
             # Gone while kvproxy readied its slot (a restore, an opening's evaluation, which
             # go on): nothing was served, and the request is reported as such.
             self.report.gone_before(request.path, slot, conv, timed)
             raise
         except UpstreamError as exc:
-            # The slot may hold another tenant's tokens and could not be erased.
+            # The slot may hold another tenant's tokens and could not be erased; or the
+            # server was found hung (Hung) while kvproxy readied the slot.
             return unreachable_response(exc)
         capture = adapter.capture(conv)
         try:
@@ -145,6 +153,7 @@ class Keyed:
                 extra_headers=prepared.headers(),
                 tap=capture.feed,
                 translator=adapter.translator(conv),
+                until_headers=self.backend.liveness.unless_hung,
             )
         except asyncio.CancelledError:
             # The client hung up. Clients that stop reading at the reply's last event

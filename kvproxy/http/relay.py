@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterable, Callable, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvproxy.http.errors import sse_error_event, unreachable_response
-from kvproxy.http.session import Upstream
+from kvproxy.http.session import Upstream, UpstreamError
 
 if TYPE_CHECKING:
     from kvproxy.wire import Translator
@@ -96,12 +96,16 @@ async def relay(
     extra_headers: Mapping[str, str] | None = None,
     tap: Callable[[bytes], None] | None = None,
     translator: Translator | None = None,
+    until_headers: Callable[[Awaitable[aiohttp.ClientResponse]], Awaitable[aiohttp.ClientResponse]]
+    | None = None,
 ) -> RelayResult:
     """Forward `request` (with `data` as its body) and stream the reply back unchanged, or,
     with a `translator`, as it rewrites each chunk (a successful reply only).
 
     `tap` sees every upstream chunk after the client got it, so capturing a reply never
-    delays a byte.
+    delays a byte. `until_headers` wraps the wait for the reply's headers (before any byte
+    went to the client): an UpstreamError it raises (the server found hung) makes the
+    request unreachable there, its upstream request dropped.
     """
     headers = request_headers(request.headers, upstream, drop_length=body_replaced)
     try:
@@ -113,8 +117,9 @@ async def relay(
             allow_redirects=False,
             compress=None,
         )
-        up = await upstream_cm.__aenter__()
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        answered = upstream_cm.__aenter__()
+        up = await (answered if until_headers is None else until_headers(answered))
+    except (aiohttp.ClientError, OSError, TimeoutError, UpstreamError) as exc:
         log.warning("upstream unreachable for %s %s: %s", request.method, path_qs, exc)
         return RelayResult(unreachable_response(exc), 502, False)
 

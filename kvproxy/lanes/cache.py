@@ -62,6 +62,7 @@ class ConversationCache:
         # The one place every part is built: each lane gets a context with its own backend
         # and the parts every lane shares.
         several = len(upstreams) > 1
+        self._several = several
         self.lanes = [self._lane(upstream, several) for upstream in upstreams]
         # A router-mode server's lanes are its models' (discovery.py), found once it answers.
         self.discovery = Discovery(self.lanes, self._model_lane)
@@ -77,6 +78,9 @@ class ConversationCache:
 
     def _lane(self, upstream: Upstream, several: bool, model: str | None = None) -> Lane:
         backend = Backend(upstream, self.settings, several, model)
+        if self._several:
+            # Requests waiting on it when it is found hung may go to another (liveness.py).
+            backend.liveness.elsewhere = lambda: self.dispatch.elsewhere(backend)
         ctx = CacheContext(
             self.settings,
             backend,

@@ -3,8 +3,9 @@ every keyed request (`keyed`): its body read once, the lane chosen by routing.py
 server holding the conversation, else one that can restore it now, else the least loaded),
 readied once, and served there by the lane's keyed driver. A server that cannot be reached
 before any byte of the reply went out leaves rotation, and the request goes to another server
-(restored there from the shared cache dir). Requests the cache does not key get their lane
-from `pick` (the least loaded) or `lane_for` (a router's model).
+(restored there from the shared cache dir); so does one found hung while the request waited
+on it (cache/liveness.py). Requests the cache does not key get their lane from `pick` (the
+least loaded) or `lane_for` (a router's model).
 
 With router-mode servers, a request goes to a lane of the model its body names; with several
 routers (`--servers N --models-dir`), every router has a lane of each model, and the same rule
@@ -21,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvproxy.cache.backend import Backend
 from kvproxy.handlers.answers import not_ready_response
 from kvproxy.handlers.incoming import Incoming, read_incoming
 from kvproxy.http import bodies as jsonbody
@@ -61,6 +63,16 @@ class Dispatch:
         await lane.backend.rediscover_if_off()
         down = lane.backend.not_ready()
         return None if down is None else not_ready_response(down)
+
+    def elsewhere(self, backend: Backend) -> bool:
+        """Whether a request waiting on `backend`'s server could go to another one now: one
+        in rotation that serves the same model (for a router's lanes, the same one)."""
+        return any(
+            lane.in_rotation
+            and lane.backend.upstream.base_url != backend.upstream.base_url
+            and lane.backend.model == backend.model
+            for lane in self.lanes
+        )
 
     def pick(self) -> Lane:
         """The server for a request the cache does not key."""
