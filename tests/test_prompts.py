@@ -5,9 +5,13 @@ from other tenants, and is labelled truthfully."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from kvproxy.edge.app import SERVICE
 
 from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
@@ -187,3 +191,88 @@ async def test_write_back_keeps_the_last_completion_of_a_line_only(make: Maker) 
         assert max(prefilled) > 12, prefilled
     finally:
         await proxy.stop()
+
+
+# --- the one keyed driver: what chats have, prompts have
+
+
+async def test_a_prompts_report_counts_what_came_from_cache_and_what_was_prefilled(
+    make: Maker,
+) -> None:
+    fake, proxy = await make()
+    text = prompt("A")
+    _, first, _ = await complete(proxy.url, text)
+    await settle(proxy)
+    _, again, label = await complete(proxy.url, text + " And one more line.")
+    await settle(proxy)
+    assert label == "resident"
+    stats = proxy.stats()
+    # Every prompt's reply timings reach the counters `/metrics`, the status page and
+    # `kvproxy stats` show.
+    assert stats["tokens_cached"] == cache_n(first) + cache_n(again) > 0
+    assert stats["tokens_prefilled"] == first["timings"]["prompt_n"] + again["timings"]["prompt_n"]
+    recent = proxy.app[SERVICE].recent.snapshot()["recent"]  # newest first
+    assert [r["route"] for r in recent[:2]] == ["/completion", "/completion"]
+    assert (recent[0]["cached"], recent[0]["prefilled"]) == (
+        cache_n(again),
+        again["timings"]["prompt_n"],
+    )
+
+
+async def test_a_prompt_finding_every_slot_busy_and_the_queue_full_is_reported_busy(
+    make: Maker,
+) -> None:
+    fake, proxy = await make(server={"token_delay": 0.05}, max_queue=0)
+    long = [
+        asyncio.create_task(complete(proxy.url, prompt(name), "/v1/completions"))
+        for name in ("A", "B")
+    ]
+    for _ in range(500):  # until both hold their slots
+        if all(s.busy for s in proxy.cache.pool.slots):
+            break
+        await asyncio.sleep(0.01)
+    status, body, label = await complete(proxy.url, prompt("C"))
+    assert status == 503 and body["error"]["code"] == "slots_busy"
+    assert proxy.stats()["requests"]["busy"] == 1
+    await asyncio.gather(*long)
+
+
+async def test_prompts_across_two_servers_go_where_their_prefix_is(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    fakes = [FakeLlamaServer(slot_save_path=cache) for _ in range(2)]
+    for fake in fakes:
+        await fake.start()
+    proxy = await start_proxy([f.url for f in fakes], cache)
+    try:
+        texts = [prompt(name) for name in "ABCD"]
+        for text in texts:  # four prompts over 2 × 2 slots
+            status, _, _ = await complete(proxy.url, text)
+            assert status == 200
+            await settle(proxy)
+        home = {text: _server_of(fakes, text) for text in texts}
+        assert sorted(home.values()) == [0, 0, 1, 1]
+        for _ in range(2):
+            for text in texts:
+                text_more = text + " More."
+                status, body, label = await complete(proxy.url, text_more)
+                await settle(proxy)
+                assert (status, label) == (200, "resident")
+                assert _server_of(fakes, text_more) == home[text]
+                assert body["timings"]["prompt_n"] <= 20, body["timings"]
+    finally:
+        await proxy.stop()
+        for fake in fakes:
+            await fake.stop()
+
+
+def _server_of(fakes: list[FakeLlamaServer], text: str) -> int:
+    """Which server this prompt went to (each time to the same one)."""
+    servers = {
+        i
+        for i, fake in enumerate(fakes)
+        for _, path, body in fake.requests
+        if path == "/completion" and body.get("prompt") == text
+    }
+    assert len(servers) == 1, servers
+    return servers.pop()
