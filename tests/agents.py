@@ -1,5 +1,5 @@
 """The real agent clients for the tests: installed by the test set-up itself, the same way
-`kvproxy bench agents --install` does (kvproxy/bench/agentclients.py holds the one copy).
+`kvproxy bench agents --install` does (bench/kvproxy_bench/agentclients.py holds the one copy).
 
 `python -m tests.agents` installs every client now.
 """

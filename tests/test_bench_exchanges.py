@@ -1,4 +1,4 @@
-"""kvproxy/bench/exchanges.py on plain recorded bytes: the chat body the server renders, the
+"""bench/kvproxy_bench/exchanges.py on plain recorded bytes: the chat body the server renders, the
 reply in chat form, the server's cache_n/prompt_n and kvproxy's decision, for each API."""
 
 from __future__ import annotations

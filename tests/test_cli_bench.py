@@ -1,5 +1,5 @@
 """`kvproxy bench` stays a full command, yet no other command loads a benchmark module: `serve`
-runs without kvproxy.bench (nor the fake llama-server of kvproxy.testing) in memory.
+runs without kvproxy_bench (nor the fake llama-server of kvproxy_fake) in memory.
 
 What a command imports is checked in a fresh interpreter: this one has imported the
 benchmarks for other tests."""
@@ -26,7 +26,7 @@ PACKAGE = Path(cli.__file__).parent
 NOT_AT_RUNTIME = ("kvproxy_bench", "kvproxy_fake")
 
 # Runs `kvproxy serve ARGS…` as the console script does; once the proxy is listening (its
-# "ready" line), prints the kvproxy.bench / kvproxy.testing modules loaded and exits at once.
+# "ready" line), prints the kvproxy_bench / kvproxy_fake modules loaded and exits at once.
 SERVE_UNTIL_READY = """
 import json, logging, os, sys
 from kvproxy import cli

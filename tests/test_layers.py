@@ -182,3 +182,17 @@ def test_slot_and_backend_fields_change_only_in_their_owners() -> None:
                     if name != owner and target.attr in fields and word in owner_text:
                         offenders.append(f"{name}:{target.lineno}: {ast.unparse(target)}")
     assert offenders == []
+
+
+def test_the_cache_proper_imports_no_aiohttp() -> None:
+    """What outlives a request (cache/) knows no HTTP server: no aiohttp, no relay, no error
+    bodies. The lanes and the handlers above it answer clients."""
+    web_side = ("aiohttp", "kvproxy.http.relay", "kvproxy.http.errors", "kvproxy.http.bodies")
+    offenders = [
+        f"{name}:{line} imports {target}"
+        for path, name in runtime_modules()
+        if layer(name) == "cache"
+        for target, line, _ in imports(path, name)
+        if target == web_side[0] or target.startswith(("aiohttp.", *web_side[1:]))
+    ]
+    assert offenders == []

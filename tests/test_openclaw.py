@@ -1,4 +1,4 @@
-"""examples/openclaw.json against OpenClaw itself (pinned in kvproxy/bench/agentclients.py), not from memory.
+"""examples/openclaw.json against OpenClaw itself (pinned in bench/kvproxy_bench/agentclients.py), not from memory.
 
 OpenClaw reads `~/.openclaw/openclaw.json` (`openclaw config file` prints the path) and
 rejects keys its schema does not know, so `openclaw config validate` under a HOME of our own

@@ -1,4 +1,4 @@
-"""The background-save policy (kvproxy/pressure.py) on plain data."""
+"""The background-save policy (kvproxy/cache/pressure.py) on plain data."""
 
 from __future__ import annotations
 

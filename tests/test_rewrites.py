@@ -1,4 +1,4 @@
-"""Clients that rewrite earlier messages on their next turn (rewrites.py, habits.py): OpenClaw
+"""Clients that rewrite earlier messages on their next turn (cache/habits/rewrites.py, cache/habits/__init__.py): OpenClaw
 moves its per-turn context message, aider strips its reminder from the last user message.
 Once kvproxy has seen it, a save stores the conversation as the client will send it next, so
 the next turn extends the state exactly: with the fake's recurrent-model rule

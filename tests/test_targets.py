@@ -1,4 +1,4 @@
-"""The benchmark's targets (kvproxy/bench/targets.py) judged on hand-made results."""
+"""The benchmark's targets (bench/kvproxy_bench/targets.py) judged on hand-made results."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What `Conversations.prepare` did for a request before it was forwarded (its
-X-KVProxy-* headers), and the check that lets a resident next turn skip the index."""
+"""What `Preparer.prepare` did for a request before it was forwarded (its X-KVProxy-*
+headers), and the check that lets a resident next turn skip the index."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The conversation cache, wired together: one llama-server (backend.py), the disk store,
-the slot work, and the request path (keyed.py); its life cycle and housekeeping.
+"""The conversation cache, wired together: a lane per llama-server (lane.py), the disk store
+and what the lanes share, the dispatch among them; its life cycle and housekeeping.
 
 Saves happen in the background (background_saves.py: idle slots under slot pressure, or
 after an idle while), at eviction when no background save came first, on shutdown

@@ -6,10 +6,10 @@
   the commit marker, written after the files and deleted before them; LRU/TTL order and a
   trigger-kept byte total. Its tables and connection settings: `kvproxy.store.schema`; the
   prefix lookup: `kvproxy.store.lookup`; `kvproxy ls`'s query: `kvproxy.store.listing`.
-- `kvproxy.store.index`: `Store`, the operations that keep index and files in step: `*_async`
+- `kvproxy.store.store`: `Store`, the operations that keep index and files in step: `*_async`
   for the proxy (the database on one dedicated thread, `kvproxy.store.thread`; files in
   threads; one operation at a time per key, in issue order) and the synchronous ones for the
-  CLI. Opening a cache dir (import of old records, start-up sweep): `kvproxy.store.opening`.
+  CLI. Opening a cache dir (import of old records, start-up sweep): `kvproxy.store.startup`.
 - `kvproxy.store.heads`: `Heads`, every entry's first two keys on the event loop, which
   answer a new session's lookup without the hop to the index thread.
 - `kvproxy.store.offline`: the synchronous operations of `kvproxy ls|rm|gc` (no event loop).

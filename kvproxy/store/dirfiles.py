@@ -2,7 +2,7 @@
 written whole (a fixed temp name, fsync, rename), private like everything there, and read
 without trusting what is found (a FIFO, a symlink, garbage: nothing).
 
-- habits.json: the clients' habits (habits.py), so a restarted proxy saves a rewriting
+- habits.json: the clients' habits (cache/habits/), so a restarted proxy saves a rewriting
   client's conversations as it will send them from the first save on, not only after the
   client has shown its habit again; written when something new was learnt.
 - llama-server.json: the llama-server managed mode started (leftover.py), so the next start
@@ -26,7 +26,7 @@ HABITS = "habits.json"
 SERVER = "llama-server.json"
 MAX_BYTES = 1 << 20  # larger than kvproxy writes it: not read
 # habits.json is read up to this (an older kvproxy wrote it unbounded): what is read is then
-# trimmed to the bounds (habits.py), never discarded whole. A larger one is moved aside.
+# trimmed to the bounds (cache/habits/), never discarded whole. A larger one is moved aside.
 HABITS_READ_LIMIT = 64 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 

@@ -14,7 +14,7 @@ reads those once, at the first open, for the index to import.
 
 Who touches what. `StoreFiles` keeps no index: its methods take plain data (keys, entries
 nobody changes meanwhile) and return plain data, so any thread may run them. Keeping two
-operations on one key apart, and the index, are `Store`'s job (`kvproxy.store.index`).
+operations on one key apart, and the index, are `Store`'s job (`kvproxy.store.store`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where the clients' habits (habits.py) are learnt from: the request that continues a
+"""Where the clients' habits (habits/__init__.py) are learnt from: the request that continues a
 conversation kvproxy recorded, compared with the conversation its slot holds, else, off the
 request path, with the stored one it shares most with (its text read from disk)."""
 
