@@ -220,10 +220,14 @@ class Slot:
         if count_tokens and self.holding is not None and info.n_prompt_tokens is not None:
             self.holding.n_tokens = info.n_prompt_tokens
 
-    def evaluated(self, n_tokens: int) -> None:
+    def evaluated(self, n_tokens: int, holding: Holding | None = None) -> None:
         """kvproxy's own evaluation (`n_predict: 0`) of `n_tokens` on the slot ended: it holds
         them under a task kvproxy has not seen, as after a request of ours (`ours_ended`), so
-        no GET /slots is needed on the request's path to trust it."""
+        no GET /slots is needed on the request's path to trust it. `holding`: what they are,
+        when not what the slot held (an opening or a stem cut from it, a canonical rewrite),
+        not on disk yet."""
+        if holding is not None:
+            self.hold(holding, saved=False)
         if self.holding is not None:
             self.holding.n_tokens = n_tokens
         self.ours_ended(n_tokens, 1)

@@ -250,11 +250,11 @@ class SlotWork:
         timings = await self._evaluate(slot, tokens, "canonical prefix")
         if timings is None:
             return
+        rewritten = None
         if messages != holding.messages:
             chain = keys.chain(ns, messages)
             rewritten = Holding(ns, chain, len(tokens), len(messages), messages, holding.template)
-            slot.hold(rewritten, saved=False)
-        slot.evaluated(len(tokens))
+        slot.evaluated(len(tokens), rewritten)
         slot.mark_canonical()
         log.debug(
             "slot %d: canonical prefix of %s is %d tokens (%s evaluated) in %.0f ms",
@@ -275,8 +275,7 @@ class SlotWork:
         timings = await self._evaluate(slot, tokens, what)
         if timings is None:
             return None
-        slot.hold(holding, saved=False)
-        slot.evaluated(len(tokens))
+        slot.evaluated(len(tokens), holding)
         saved = await self.save(slot)
         log.info(
             "slot %d: %s %s (%d tokens) %s in %.0f ms",
