@@ -15,11 +15,13 @@ from dataclasses import replace
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.openings import NOTHING_FOUND, Found, Openings
+from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import Decision, Move, expected_resident
+from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
 from kvproxy.cache.slotchoice import Serves
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.stems import Stems
 from kvproxy.handlers.plan import Facts, Plan, decide
 from kvproxy.handlers.prepared import MISS, Prepared, next_turn_of
 from kvproxy.http.session import UpstreamError
@@ -36,13 +38,20 @@ SNAPSHOT_TRUST = 1.0
 
 class Preparer:
     def __init__(
-        self, ctx: CacheContext, work: SlotWork, openings: Openings, learner: HabitLearning
+        self,
+        ctx: CacheContext,
+        work: SlotWork,
+        reuse: Reuse,
+        openings: Openings,
+        learner: HabitLearning,
     ) -> None:
         self.ctx = ctx
         self.backend = ctx.backend
         self.pool = ctx.backend.pool
         self.work = work
+        self.reuse = reuse  # what the server reuses of a slot or a stored state
         self.openings = openings
+        self.stems: Stems = reuse.stems
         self.learner = learner
 
     async def prepare_or_miss(self, slot: Slot, conv: Conversation) -> Prepared:
@@ -59,7 +68,7 @@ class Preparer:
     def serves(self, conv: Conversation) -> Serves[Slot]:
         """How deep a slot serves `conv`: what the server will reuse of what it holds (a
         state restored from disk cannot be cut back on every model class)."""
-        return lambda slot: self.openings.resident_depth(slot, conv)
+        return lambda slot: self.reuse.resident_depth(slot, conv)
 
     def at_once(self, slot: Slot, conv: Conversation) -> Prepared | None:
         """The steady state of an agent loop, decided with no I/O (and so with no task): the
@@ -69,7 +78,7 @@ class Preparer:
         effects: what the slot holds is learnt from, no index query, the resident plan."""
         if slot.holding is None or not self.pool.still_as_seen(slot, SNAPSHOT_TRUST):
             return None
-        resident = self.openings.resident_depth(slot, conv)
+        resident = self.reuse.resident_depth(slot, conv)
         if not next_turn_of(slot, conv, resident):
             return None
         plan = decide(self._facts_but_opening(slot, conv, NOTHING_FOUND, resident))
@@ -94,23 +103,23 @@ class Preparer:
         if plan.move is Move.RESTORE:
             return await self._restore(slot, conv, found, verified)
         if plan.move is Move.USE_RESIDENT:
-            return self._resident(slot, conv, plan, self.openings.resident_depth(slot, conv))
+            return self._resident(slot, conv, plan, self.reuse.resident_depth(slot, conv))
         return await self._start_cold(slot, conv, verified)
 
     async def _find(self, slot: Slot, conv: Conversation, observe: bool) -> Found:
-        resident = self.openings.resident_depth(slot, conv)
+        resident = self.reuse.resident_depth(slot, conv)
         # The next turn of what the slot holds (the steady state of every agent loop): no
         # stored entry could serve more, nor show a new opening. No index query then.
         if next_turn_of(slot, conv, resident):
             return NOTHING_FOUND
-        found = await self.openings.find(conv) if self.backend.disk_enabled else NOTHING_FOUND
+        found = await self.reuse.find(conv) if self.backend.disk_enabled else NOTHING_FOUND
         if observe and conv.messages:
             # A rewrite is a habit of the client, not a branch whose opening is worth keeping.
             self.openings.observe(conv, self.pool, found.longest)
         return found
 
     async def _facts(self, slot: Slot, conv: Conversation, found: Found) -> Facts:
-        resident = self.openings.resident_depth(slot, conv)
+        resident = self.reuse.resident_depth(slot, conv)
         facts = self._facts_but_opening(slot, conv, found, resident)
         held = slot.holding
         if held is None or (
@@ -183,13 +192,13 @@ class Preparer:
 
     async def _start_cold(self, slot: Slot, conv: Conversation, verified: bool) -> Prepared:
         evaluated = 0
-        stem = await self.openings.stems.wanted(conv)
+        stem = await self.stems.wanted(conv)
         if stem is not None:
             # The head of its system message before what changes between sessions, first.
             if not verified:
                 await self.work.verify(slot)
                 verified = True
-            evaluated = await self.openings.stems.make(slot, conv, *stem)
+            evaluated = await self.stems.make(slot, conv, *stem)
             depth = await self.openings.prefill_depth(conv)
         else:
             depth = await self.openings.prefill_depth(conv)
@@ -210,7 +219,7 @@ class Preparer:
         agent starting at once): once it is saved, restore it here rather than evaluate it
         again. None: it was not made; the request starts cold as it would have."""
         await self.openings.making.done([opening])
-        found = await self.openings.find(conv)
+        found = await self.reuse.find(conv)
         plan = decide(await self._facts(slot, conv, found))
         if plan.move is not Move.RESTORE:
             return None
@@ -219,11 +228,6 @@ class Preparer:
             verified = True
         await self._vacate(slot, conv, plan)
         return await self._restore(slot, conv, found, verified)
-
-    def parted(self, conv: Conversation, message_index: int, char_offset: int) -> None:
-        """A miss parted from the closest known conversation there (explain.py): inside a
-        long system message, what follows changes between sessions (a stem ends before it)."""
-        self.openings.stems.cuts.learn(conv.namespace, conv.messages, message_index, char_offset)
 
     async def _prefill(
         self, slot: Slot, conv: Conversation, start: int, verified: bool, depth: int | None = None

@@ -18,9 +18,9 @@ from typing import Any
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
 from kvproxy.cache.explain import explain_against, why_weak
-from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.slots import Slot
+from kvproxy.cache.stems import Stems
 from kvproxy.handlers.prepared import Prepared
 from kvproxy.wire import Conversation
 from kvproxy.wire.capture import Reply
@@ -40,14 +40,14 @@ class Timed:
 
 
 class Report:
-    def __init__(self, ctx: CacheContext, openings: Openings) -> None:
+    def __init__(self, ctx: CacheContext, stems: Stems) -> None:
         self.backend = ctx.backend
         self.pool = ctx.backend.pool
         self.store = ctx.store
         self.events = ctx.events
         self.guard = ctx.guard
         self.background = ctx.background
-        self.openings = openings  # a miss explained teaches stems where sessions part
+        self.stems = stems  # a miss explained teaches stems where sessions part
 
     def busy(self, route: str, conv: Conversation, started: float) -> None:
         """Refused: every slot busy and the queue full (or the wait timed out)."""
@@ -143,7 +143,7 @@ class Report:
         if event.miss is not None:
             # Inside a long system message, what follows changes between sessions: a stem
             # ends before it (stems.py).
-            self.openings.stems.cuts.learn(
+            self.stems.cuts.learn(
                 conv.namespace, conv.messages, event.miss.message_index, event.miss.char_offset
             )
         self.events.request(event)

@@ -15,8 +15,10 @@ from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.openings import Openings
+from kvproxy.cache.reuse import Reuse
 from kvproxy.cache.slotpool import QueueFull, SlotPool
 from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.stems import Stems
 from kvproxy.handlers.keyed import Keyed
 from kvproxy.handlers.prepare import Preparer
 from kvproxy.handlers.report import Report
@@ -39,11 +41,13 @@ class Lane:
             settings.effective_idle_save_after,
             settings.background_save_wait,
         )
-        self.openings = Openings(ctx, self.work)
+        stems = Stems(ctx, self.work)
+        self.reuse = Reuse(ctx, self.work, stems)
+        self.openings = Openings(ctx, self.work, self.reuse)
         self.unkeyed = Unkeyed(ctx, self.work)
         learner = HabitLearning(ctx.habits, ctx.backend, ctx.store, ctx.background)
-        preparer = Preparer(ctx, self.work, self.openings, learner)
-        report = Report(ctx, self.openings)
+        preparer = Preparer(ctx, self.work, self.reuse, self.openings, learner)
+        report = Report(ctx, stems)
         self.keyed = Keyed(ctx, self.work, preparer, self.unkeyed, self.warmer, report)
 
     @property
