@@ -16,6 +16,7 @@ import logging.handlers
 import os
 import queue
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -110,6 +111,30 @@ def _stop_quietly(listener: LogWriter) -> None:
 
 
 async def serve(settings: Settings) -> int:
+    from kvproxy.edge.listen import close, reserve
+
+    if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
+        raise SystemExit(
+            f"kvproxy: refusing to listen on {settings.host} with --upstream-api-key and no "
+            "--client-api-keys: anyone who can reach the port would use llama-server with "
+            "its key. Set --client-api-keys KEY[,KEY…] (env KVPROXY_CLIENT_API_KEYS)."
+        )
+    # The port first, before anything is started: a port another process holds (a second
+    # `kvproxy serve`) ends this one here, having touched nothing.
+    try:
+        bound = reserve(settings)
+    except OSError as exc:
+        raise SystemExit(
+            f"kvproxy: cannot listen on {settings.host}:{settings.port}: "
+            f"{exc.strerror or exc} (is another kvproxy running? --port picks another)"
+        ) from None
+    try:
+        return await _serve(settings, bound)
+    finally:
+        close(bound)
+
+
+async def _serve(settings: Settings, bound: list[tuple[str, socket.socket]]) -> int:
     from aiohttp import web
 
     from kvproxy.cli.display import Ticker
@@ -119,17 +144,16 @@ async def serve(settings: Settings) -> int:
     from kvproxy.server.fleet import Fleet
     from kvproxy.server.launch import managed_command
     from kvproxy.server.managed import ManagedServer, find_server, free_port
+    from kvproxy.server.savepath import unwritable
 
-    if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
-        raise SystemExit(
-            f"kvproxy: refusing to listen on {settings.host} with --upstream-api-key and no "
-            "--client-api-keys: anyone who can reach the port would use llama-server with "
-            "its key. Set --client-api-keys KEY[,KEY…] (env KVPROXY_CLIENT_API_KEYS)."
-        )
     fleet: Fleet | None = None
     if settings.model or settings.models_dir:
+        # llama-server saves slots there and kvproxy records what it starts: a dir it cannot
+        # write is one line now, not a traceback after the model has loaded.
+        problem = await asyncio.to_thread(unwritable, settings.cache_dir)
+        if problem is not None:
+            raise SystemExit(f"kvproxy: {problem}")
         binary = await asyncio.to_thread(find_server, settings.server_bin)
-        settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         ports: list[int] = []
         while len(ports) < settings.servers:
             port = free_port(avoid=settings.port)
@@ -185,7 +209,7 @@ async def serve(settings: Settings) -> int:
     )
     try:
         await runner.setup()
-        await listen(runner, settings)
+        await listen(runner, settings, bound)
     except OSError as exc:
         await runner.cleanup()
         if fleet is not None:

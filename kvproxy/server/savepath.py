@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -131,6 +133,24 @@ async def refuse_foreign_save_paths(
             log.info("did not check where %s saves slots: %s", url, probe.detail)
         elif probe.landed is Landed.FAILED:
             log.warning("%s: %s; kvproxy cannot save there until it can", url, probe.detail)
+
+
+def unwritable(cache_dir: Path) -> str | None:
+    """Managed mode's check before it starts anything: the cache dir is made if missing
+    (private) and a file written there and removed; one line when that fails, else None.
+    (Root writes past permission bits: a read-only mount still fails here.)"""
+    try:
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".kvproxy-", suffix=".write-check.tmp", dir=cache_dir)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return (
+            f"--cache-dir {cache_dir} is not writable ({exc.strerror or exc}): llama-server "
+            "saves slots there and kvproxy keeps its index there; give a directory this user "
+            "can write (--cache-dir DIR)"
+        )
+    return None
 
 
 def _unlink(path: Path) -> None:
