@@ -30,6 +30,9 @@ log = logging.getLogger("kvproxy.cache")
 # How long a slot kvproxy is about to act on may stay busy with work it did not send (a
 # cancelled request winding down) before kvproxy gives up on it.
 BUSY_WAIT_LIMIT = 120.0
+# The fault kind (faults.py) of saves the server or the disk refuses (a full disk): logged
+# once and when it recovers, named in /health's X-KVProxy-Faults meanwhile.
+SAVING = "saving slots"
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ class SlotWork:
             if exc.status == 501:
                 self._no_slot_actions()
             else:
-                self._disk_error(f"save of slot {slot.id} failed: {exc}")
+                self.background.faults.failed(SAVING, exc)
             return False
         except FileNotFoundError as exc:  # saved into another dir: every save would leave one
             await self._save_failed(started, temp)
@@ -193,9 +196,10 @@ class SlotWork:
             return False
         except (OSError, ValueError, KeyError, TypeError) as exc:
             await self._save_failed(started, temp)
-            self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
+            self.background.faults.failed(SAVING, exc)
             return False
         seconds = time.perf_counter() - started
+        self.background.faults.succeeded(SAVING)
         slot.mark_saved()
         self.events.slot_action(
             SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds, background)
