@@ -29,6 +29,7 @@ from kvproxy.http.session import Upstream
 from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import RequestLog
+from kvproxy.store import presence
 from kvproxy.wire import WireAdapter
 from kvproxy.wire.chat import ChatAdapter
 from kvproxy.wire.messages import MessagesAdapter
@@ -82,6 +83,7 @@ class Service:
         # time.monotonic() by which saving at shutdown must end (kvproxy serve sets it at
         # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
         self.stop_by: float | None = None
+        self.presence: int | None = None  # the cache dir's lock while serving (presence.py)
         self.events.listeners += [self.metrics, RequestLog(), self.recent]
         chat = ChatAdapter(settings.keep_reasoning)
         # Routes the cache keys, each with the adapter that reads its wire format.
@@ -109,6 +111,8 @@ class Service:
         }
 
     async def start(self) -> None:
+        # For as long as this proxy serves: `kvproxy doctor` leaves the slots alone meanwhile.
+        self.presence = await asyncio.to_thread(presence.hold, self.settings.cache_dir)
         for upstream in self.upstreams:
             await upstream.start()
         await self.cache.start()
@@ -119,6 +123,7 @@ class Service:
         finally:
             for upstream in self.upstreams:
                 await upstream.close()
+            presence.release(self.presence)
 
     def save_budget(self) -> float:
         """What is left for saving slots: until `stop_by` when kvproxy serve set it (the
