@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
+from kvproxy.cache.labels import own_turns
 from kvproxy.cache.openings import NOTHING_FOUND, Found, Openings
 from kvproxy.cache.plan import Facts, Plan, decide
 from kvproxy.cache.policy import Decision, Move, expected_resident
@@ -173,6 +174,8 @@ class Preparer:
         held = slot.holding
         if plan.leave_opening and resident == 0:
             return MISS  # the slot could not be cut back to what the request shares
+        if not own_turns(conv.messages, resident, len(held.chain) if held is not None else 0):
+            return MISS  # only an opening it shares with the slot's: cache_n shows the reuse
         expected = (
             None if held is None else expected_resident(resident, len(held.chain), held.n_tokens)
         )

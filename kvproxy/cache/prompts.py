@@ -133,6 +133,9 @@ class Prompts:
         await self.work.verify(slot)
         resident = self.openings.resident_depth(slot, conv)
         held = slot.holding
+        # `resident` only where the prompt goes on from the slot's (labels.py): one sharing
+        # just its opening blocks is a miss, whatever the server reuses of them.
+        own = held is not None and goes_on_from(len(held.chain), resident)
         if held is not None and not goes_on_from(len(held.chain), resident, near_end):
             if self.work.worth_saving(slot):
                 await self.work.save(slot)
@@ -144,7 +147,7 @@ class Prompts:
             outcome = await self.work.restore(slot, stored)
             if outcome is not None:
                 return Decision.RESTORED, outcome.n_restored
-        return (Decision.RESIDENT if resident > 0 else Decision.MISS), 0
+        return (Decision.RESIDENT if resident > 0 and own else Decision.MISS), 0
 
     async def _stored(self, conv: Conversation, resident: int, near_end: float) -> Entry | None:
         """The stored state the server will reuse more of than the slot serves, if any."""

@@ -51,8 +51,17 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class Parser(argparse.ArgumentParser):
+    """No abbreviations (`--slot` is not `--slots`): a flag misspelt stops with an error
+    rather than setting another one. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvproxy",
         description="Caching reverse proxy for llama.cpp's llama-server.",
     )
@@ -147,6 +156,7 @@ async def _serve(settings: Settings, bound: list[tuple[str, socket.socket]]) -> 
     from kvproxy.server.savepath import unwritable
 
     fleet: Fleet | None = None
+    down: list[str] = []  # sidecar servers that did not answer at start
     if settings.model or settings.models_dir:
         # llama-server saves slots there and kvproxy records what it starts: a dir it cannot
         # write is one line now, not a traceback after the model has loaded.
@@ -185,7 +195,7 @@ async def _serve(settings: Settings, bound: list[tuple[str, socket.socket]]) -> 
 
         upstream_urls = settings.upstream_urls
         # Its first save would find the mismatch, leaving a temp file in the server's dir.
-        await refuse_foreign_save_paths(upstream_urls, settings.api_key, settings.cache_dir)
+        down = await refuse_foreign_save_paths(upstream_urls, settings.api_key, settings.cache_dir)
     else:
         raise SystemExit(
             "kvproxy: nothing to proxy: give --upstream URL (a running llama-server) "
@@ -229,7 +239,7 @@ async def _serve(settings: Settings, bound: list[tuple[str, socket.socket]]) -> 
         "kvproxy ready: point OpenAI clients at http://%s:%d/v1 (llama-server at %s, cache %s)",
         shown_host,
         settings.port,
-        ", ".join(upstream_urls),
+        ", ".join(f"{u} (not answering yet)" if u in down else u for u in upstream_urls),
         settings.cache_dir,
     )
 
@@ -272,6 +282,12 @@ async def _serve(settings: Settings, bound: list[tuple[str, socket.socket]]) -> 
         os._exit(exit_code)
     if fleet is not None:
         await fleet.stop(grace=max(1.0, stop_by - time.monotonic()))
+    # The last line: the stop is over (a terminal showed "shutting down" until now).
+    log.info(
+        "kvproxy stopped%s%s",
+        " with llama-server" if fleet is not None else "",
+        f" (exit {exit_code})" if exit_code else "",
+    )
     return exit_code
 
 

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from kvproxy.cache.events import Events
+from kvproxy.cache.policy import Decision
 from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
@@ -47,6 +48,8 @@ PINNABLE_PATHS = routes.paths(Treatment.PINNED)
 # Slot-using routes that ignore `id_slot`: the server picks the slot itself.
 UNPINNABLE_PATHS = frozenset({"/v1/messages", *routes.paths(Treatment.EVERY_SLOT)})
 MANAGEMENT_PATHS = frozenset(r.path for r in routes.MODEL_MANAGEMENT)
+# The X-KVProxy-Cache of a slot-using request kvproxy sent on as it came.
+BYPASS = {"X-KVProxy-Cache": Decision.BYPASS.value}
 # Where a router lists its models, and reads its models dir again with `?reload=1`
 # (server-models.cpp `get_router_models`: any non-empty value).
 MODEL_LISTS = frozenset({"/models", "/v1/models"})
@@ -107,7 +110,19 @@ class Service:
         return {
             **stats,
             "requests_total": sum(stats["requests"].values()),
+            "settings": self.shown_settings(),
             **self.recent.snapshot(),
+        }
+
+    def shown_settings(self) -> dict[str, Any]:
+        """What the status page names besides the servers and their models."""
+        s = self.settings
+        return {
+            "mode": "managed" if s.model or s.models_dir else "sidecar",
+            "min_tokens": s.min_tokens,
+            "idle_save_after": s.effective_idle_save_after,
+            "write_through": s.write_through,
+            "ttl": s.ttl,
         }
 
     async def start(self) -> None:
@@ -165,6 +180,8 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if refusal is not None:
         return error_response(403, refusal, "host_not_allowed")
     path = normal_path(request.path)
+    if path == "/" and request.method in ("GET", "HEAD"):
+        return status.root_answer()
     own = path == "/kvproxy" or path.startswith("/kvproxy/")
     if not (own or path == "/metrics"):
         refused = client_refusal(request, service.settings)
@@ -252,9 +269,9 @@ async def _serve(
             return await router.handle_keyed(request, _path_qs(path, request), adapter)
         if path in PINNABLE_PATHS or path in UNPINNABLE_PATHS:
             async with router.lane_for(request) as (lane, as_it_is):
-                if as_it_is:
+                if as_it_is:  # the router's refusal is the answer; nothing was cached
                     path_qs, upstream = _path_qs(path, request), lane.backend.upstream
-                    return await forward(request, service, path_qs, upstream=upstream)
+                    return await forward(request, service, path_qs, BYPASS, upstream)
                 not_yet = await router.ready(lane)
                 if not_yet is not None:
                     return not_yet

@@ -132,8 +132,14 @@ ROUTES: tuple[Route, ...] = (
     Route("/api/chat", POST, Treatment.PASS, "Ollama chat: not keyed, as before"),
     *_each(_TOKENS, POST, Treatment.PASS, _LOADS),
     *_each(_TOKEN_COUNTS, POST, Treatment.PASS, f"token counts; {_LOADS}"),
-    *_each(("/", "/sw.js"), GET, Treatment.PASS, "the server's web UI"),
     # --- kvproxy's own
+    Route(
+        "/",
+        GET,
+        Treatment.OWN,
+        "a 404 naming the API (`/v1`) and the status page (`/kvproxy/`): llama-server's web "
+        "UI is not forwarded (its assets have build-hashed names; the bundled build has none)",
+    ),
     Route(
         "/kvproxy/*",
         ANY,

@@ -76,3 +76,15 @@ async def server_log_response(
     return web.json_response(
         {"managed": tail is not None, "lines": lines}, headers={"Cache-Control": "no-store"}
     )
+
+
+def root_answer() -> web.Response:
+    """`GET /`: what a browser opening kvproxy's address finds. kvproxy forwards no web UI
+    (llama-server's assets have build-hashed names no route table can list)."""
+    return error_response(
+        404,
+        "This is kvproxy: point OpenAI clients at /v1 (e.g. POST /v1/chat/completions); its "
+        "status page is /kvproxy/. llama-server's web UI, where its build has one, is on the "
+        "server's own port.",
+        "not_found",
+    )
