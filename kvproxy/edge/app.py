@@ -110,19 +110,8 @@ class Service:
         return {
             **stats,
             "requests_total": sum(stats["requests"].values()),
-            "settings": self.shown_settings(),
+            "settings": status.shown_settings(self.settings),
             **self.recent.snapshot(),
-        }
-
-    def shown_settings(self) -> dict[str, Any]:
-        """What the status page names besides the servers and their models."""
-        s = self.settings
-        return {
-            "mode": "managed" if s.model or s.models_dir else "sidecar",
-            "min_tokens": s.min_tokens,
-            "idle_save_after": s.effective_idle_save_after,
-            "write_through": s.write_through,
-            "ttl": s.ttl,
         }
 
     async def start(self) -> None:

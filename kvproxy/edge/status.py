@@ -11,10 +11,11 @@ import hashlib
 import re
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from aiohttp import web
 
+from kvproxy.config import Settings
 from kvproxy.http.errors import error_response
 from kvproxy.server.managed import LOG_TAIL_LINES as MAX_LOG_LINES
 
@@ -88,3 +89,14 @@ def root_answer() -> web.Response:
         "server's own port.",
         "not_found",
     )
+
+
+def shown_settings(s: Settings) -> dict[str, Any]:
+    """What the page names besides the servers and their models (status.json `settings`)."""
+    return {
+        "mode": "managed" if s.model or s.models_dir else "sidecar",
+        "min_tokens": s.min_tokens,
+        "idle_save_after": s.effective_idle_save_after,
+        "write_through": s.write_through,
+        "ttl": s.ttl,
+    }
