@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml bench/pyproject.toml
 install: $(VENV)/.installed
 
 run: install
+	@echo "kvproxy: the command is $(VENV)/bin/kvproxy (or 'source $(VENV)/bin/activate' puts kvproxy on PATH)"
 	$(VENV)/bin/kvproxy serve --model default $(ARGS)
 
 test: install

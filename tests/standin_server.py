@@ -1,6 +1,6 @@
 """A stand-in llama-server binary for start-up tests: it dies the way llama-server dies on
-Intel VMs whose CPU lists AMX (SIGILL at warm-up, unless started with --no-repack), or
-answers like a server without slots (health, and a canned chat reply).
+Intel VMs whose CPU lists AMX (SIGILL at warm-up, or now and then SIGSEGV, unless started
+with --no-repack), or answers like a server without slots (health, and a canned chat reply).
 
 `standin_binary(dir, mode)` writes an executable that runs `main(mode, record)`; each start
 appends its argv to `record`, so tests can count the attempts.
@@ -22,6 +22,11 @@ from aiohttp import web
 REPO = Path(__file__).resolve().parent.parent
 DIES_UNLESS_NO_REPACK = "sigill-unless-no-repack"
 ALWAYS_DIES = "sigill-always"
+# The other way the AMX kernels kill it: a general protection fault on `ldtilecfg`.
+SEGV_UNLESS_NO_REPACK = "sigsegv-unless-no-repack"
+SEGV_ALWAYS = "sigsegv-always"
+# Dies by SIGSEGV before a line reaches its output (llama-server logs from a thread).
+SEGV_SILENTLY = "sigsegv-silently"
 SLOW_START = "slow-start"  # healthy only after SLOW_START_S, as while a model loads
 SLOW_START_S = 2.5
 REPLY = "stand-in says hello"
@@ -56,11 +61,16 @@ def main(mode: str, record: str) -> None:
         return
     with open(record, "a") as f:
         f.write(json.dumps(argv) + "\n")
+    repack = "--no-repack" not in argv
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if mode == SEGV_SILENTLY:
+        os.kill(os.getpid(), signal.SIGSEGV)
     print("system_info: n_threads = 2 | CPU : AMX_INT8 = 1 |", flush=True)
     print("llama threadpool init, n_threads = 2", flush=True)
-    if mode == ALWAYS_DIES or (mode == DIES_UNLESS_NO_REPACK and "--no-repack" not in argv):
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if mode == ALWAYS_DIES or (mode == DIES_UNLESS_NO_REPACK and repack):
         os.kill(os.getpid(), signal.SIGILL)
+    if mode == SEGV_ALWAYS or (mode == SEGV_UNLESS_NO_REPACK and repack):
+        os.kill(os.getpid(), signal.SIGSEGV)
     port = int(argv[argv.index("--port") + 1])
     if mode == SLOW_START:
         print("llama_model_loader: loaded meta data", flush=True)

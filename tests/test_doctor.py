@@ -13,8 +13,9 @@ from kvproxy.config import Settings
 from kvproxy.server.doctor import Check, diagnose
 from kvproxy.server.managed import free_port
 
-from .conftest import RealServer, start_real_server
+from .conftest import RealServer, start_proxy, start_real_server
 from .fakeserver import FakeLlamaServer
+from .test_cache import chat, conv, settle, then
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:
@@ -162,6 +163,36 @@ async def test_one_slot_and_an_open_cache_dir_warn(cache_dir: Path) -> None:
     assert checks["slots"].status == "warn" and "-np 2" in checks["slots"].fix
     assert checks["cache dir"].status == "warn" and "chmod 700" in checks["cache dir"].fix
     assert checks["restore reuse"].status == "ok"
+
+
+async def test_beside_a_running_proxy_the_doctor_leaves_its_slots_alone(cache_dir: Path) -> None:
+    """The README calls the commands safe beside a running proxy: the probes that evaluate,
+    save and erase slots are skipped with a note while a kvproxy serves from the cache dir,
+    and run once it stopped."""
+    fake = FakeLlamaServer(slot_save_path=cache_dir)
+    await fake.start()
+    proxy = await start_proxy(fake.url, cache_dir)
+    try:
+        messages = conv(1)
+        _, reply, _ = await chat(proxy, messages)
+        await settle(proxy)
+        held = [list(slot.tokens) for slot in fake.slots]
+        checks = await run_doctor(fake, cache_dir)
+        assert [list(slot.tokens) for slot in fake.slots] == held  # nothing erased
+        for name in ("slot save path", "idle slots kept", "restore reuse", "RAM prompt cache"):
+            assert checks[name].status == "warn", checks[name]
+            assert "a kvproxy is serving from" in checks[name].detail
+        assert checks["server"].status == "ok" and checks["slots"].status == "ok"
+        status, body, headers = await chat(proxy, then(messages, reply))
+        assert status == 200 and headers["X-KVProxy-Cache"] == "resident"
+        assert body["timings"]["prompt_n"] < body["timings"]["cache_n"]
+    finally:
+        await proxy.stop()
+    try:
+        checks = await run_doctor(fake, cache_dir)  # no proxy: the probes run
+    finally:
+        await fake.stop()
+    assert checks["restore reuse"].status == "ok" and checks["slot save path"].status == "ok"
 
 
 # --- several servers

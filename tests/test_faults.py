@@ -42,7 +42,7 @@ async def test_full_disk_commits_nothing_and_keeps_serving(
     make: Maker, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake, proxy = await make(server={"fail_saves": True})
-    caplog.set_level(logging.ERROR, logger="kvproxy.cache")
+    caplog.set_level(logging.WARNING, logger="kvproxy.cache")
     for c in range(1, 6):  # every request past the second evicts an unsaved conversation
         status, body, _ = await chat(proxy, conv(c))
         assert status == 200 and body["choices"][0]["message"]["content"].startswith("Echo:")
@@ -50,13 +50,25 @@ async def test_full_disk_commits_nothing_and_keeps_serving(
     assert proxy.stats()["save_failures"] >= 3
     assert files(fake.save_dir) == []  # partial files removed ...
     assert rows(fake.save_dir) == set()  # ... nothing committed
-    assert len([r for r in caplog.records if "save of slot" in r.getMessage()]) == 1
+    said = [r.getMessage() for r in caplog.records if "saving slots" in r.getMessage()]
+    assert len(said) == 1 and "Unable to save slot" in said[0], said  # logged once
+    assert await faults_on_health(proxy) == "saving slots"  # as troubleshooting.md says
+    assert "saving slots" in proxy.stats()["faults"]
     fake.fail_saves = False  # space comes back: saving resumes
     await chat(proxy, conv(6))
     await settle(proxy)
     # The conversation 6 evicted, on its path, and 6 itself in the background (its slot went
     # idle under pressure); 5's save had failed, so only a request's eviction retries it.
     assert len(rows(fake.save_dir)) == 2
+    assert await faults_on_health(proxy) is None
+    said = [r.getMessage() for r in caplog.records if "saving slots" in r.getMessage()]
+    assert len(said) == 2 and "recovered" in said[1], said
+
+
+async def faults_on_health(proxy: Any) -> str | None:
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/health") as resp:
+        assert resp.status == 200
+        return resp.headers.get("X-KVProxy-Faults")
 
 
 async def spawn_proxy(upstream: str, cache: Path, port: int) -> subprocess.Popen[bytes]:

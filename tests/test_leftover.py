@@ -100,3 +100,17 @@ def test_a_record_of_several_holds_each(tmp_path: Path) -> None:
     leftover.record_many(tmp_path, [(11, ["llama-server", "--port", "1"]), (12, ["x"])])
     found = leftover.recorded(dirfiles.read(tmp_path, dirfiles.SERVER))
     assert [s.pid for s in found] == [11, 12] and found[1].command == ("x",)
+
+
+def test_a_kvproxy_writes_and_removes_only_its_own_entries(
+    tmp_path: Path, stand_in: subprocess.Popen[bytes]
+) -> None:
+    """Two kvproxies on one cache dir: each one's record keeps the other's running server."""
+    write(tmp_path, stand_in.pid, owner=2**22 + 7)  # another kvproxy's, running
+    leftover.record(tmp_path, 999_999, ["llama-server", "--port", "2"])
+    found = leftover.recorded(dirfiles.read(tmp_path, dirfiles.SERVER))
+    assert [s.pid for s in found] == [stand_in.pid, 999_999]
+    leftover.forget(tmp_path)
+    assert leftover.recorded(dirfiles.read(tmp_path, dirfiles.SERVER)) == found[:1]
+    leftover.forget(tmp_path)  # nothing of ours: left as the other wrote it
+    assert leftover.recorded(dirfiles.read(tmp_path, dirfiles.SERVER)) == found[:1]

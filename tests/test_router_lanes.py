@@ -154,6 +154,9 @@ async def test_a_request_asking_for_no_load_gets_the_routers_refusal_and_loads_n
                 answer = await resp.json()
                 assert resp.status == 400, (route, answer)
                 assert answer["error"]["message"] == "model is not loaded", (route, answer)
+                # A route that uses a slot says what the cache did (nothing); /props none.
+                label = "bypass" if route.startswith(("/v1/chat", "/completion")) else None
+                assert resp.headers.get("X-KVProxy-Cache") == label, route
     assert router.models["coder"].loads == 0 and router.unloads == []
     status, r2, h2 = await chat(proxy, then(conv(1), r1), model="chat")
     assert status == 200 and h2["X-KVProxy-Cache"] == "resident", h2

@@ -1,6 +1,7 @@
 """llama-server's start-up, shared by managed mode, the benchmarks and the test suite: a
-server that dies with SIGILL (AMX kernels on some Intel VMs) is started again with
---no-repack, once per binary and CPU, and a death says its cause before its last lines."""
+server that dies at warm-up with SIGILL, or with SIGSEGV on a CPU listing AMX (ggml's AMX
+kernels on some Intel VMs), is started again with --no-repack, once per binary and CPU, and a
+death says its cause before its last lines (or that it wrote none)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import orjson
 import pytest
 from kvproxy_bench.arms import BenchEnv, DirectArm
 
+from kvproxy.server import startup
 from kvproxy.server.managed import ManagedServer, ServerError, free_port
 from kvproxy.server.modelinfo import read_model_info
 from kvproxy.server.startup import (
@@ -29,10 +31,46 @@ from kvproxy.server.startup import (
 )
 
 from .conftest import start_real_server
-from .standin_server import ALWAYS_DIES, DIES_UNLESS_NO_REPACK, REPLY, standin_binary, starts
+from .standin_server import (
+    ALWAYS_DIES,
+    DIES_UNLESS_NO_REPACK,
+    REPLY,
+    SEGV_ALWAYS,
+    SEGV_SILENTLY,
+    SEGV_UNLESS_NO_REPACK,
+    standin_binary,
+    starts,
+)
 
 AMX_CPU = frozenset({"avx2", "avx512f", "amx_tile", "amx_int8", "amx_bf16"})
+AMD_CPU = frozenset({"avx2", "avx512f", "sse4_2"})
 SIGILL = Exit(-4)
+SIGSEGV = Exit(-11)
+
+
+def cpuinfo(directory: Path, flags: frozenset[str]) -> Path:
+    """A /proc/cpuinfo as Linux writes it, listing `flags`."""
+    path = directory / f"cpuinfo-{len(flags)}"
+    path.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n"
+        f"flags\t\t: fpu {' '.join(sorted(flags))}\nbugs\t\t: spectre_v1\n\n"
+    )
+    return path
+
+
+@pytest.fixture
+def amx_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process reads a CPU that lists AMX (this machine's may not)."""
+    path = cpuinfo(tmp_path, AMX_CPU)
+    monkeypatch.setattr(startup, "CPUINFO", path)
+    return path
+
+
+@pytest.fixture
+def amd_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = cpuinfo(tmp_path, AMD_CPU)
+    monkeypatch.setattr(startup, "CPUINFO", path)
+    return path
 
 
 # --- the decisions, on plain data
@@ -45,6 +83,18 @@ def test_sigill_is_named_and_retried_with_no_repack_once() -> None:
     assert retry_flags(Exit(1), ["llama-server"]) is None
     assert retry_flags(Exit(-9), ["llama-server"]) is None
     assert Exit(1).signal_name is None
+
+
+def test_sigsegv_is_the_amx_quirk_only_on_a_cpu_listing_amx() -> None:
+    assert SIGSEGV.signal_name == "SIGSEGV"
+    assert retry_flags(SIGSEGV, ["llama-server"], AMX_CPU) == [NO_REPACK]
+    assert retry_flags(SIGSEGV, ["llama-server", NO_REPACK], AMX_CPU) is None
+    assert retry_flags(SIGSEGV, ["llama-server"], AMD_CPU) is None  # another crash
+    assert retry_flags(SIGILL, ["llama-server"], AMD_CPU) == [NO_REPACK]
+    amx = cause_line(SIGSEGV, ["llama-server"], AMX_CPU)
+    assert "SIGSEGV" in amx and "amx_tile" in amx and NO_REPACK in amx and "\n" not in amx
+    assert "amx" not in cause_line(SIGSEGV, ["llama-server"], AMD_CPU)
+    assert NO_REPACK not in cause_line(SIGSEGV, ["llama-server", NO_REPACK], AMX_CPU)
 
 
 def test_cause_lines_name_the_signal_the_story_and_the_fix() -> None:
@@ -95,10 +145,14 @@ def managed_standin(tmp_path: Path, mode: str) -> tuple[ManagedServer, Path]:
     return server, record
 
 
-async def test_sigill_at_start_up_is_retried_with_no_repack_and_remembered(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("mode", "signal_name"),
+    [(DIES_UNLESS_NO_REPACK, "SIGILL"), (SEGV_UNLESS_NO_REPACK, "SIGSEGV")],
+)
+async def test_a_warm_up_death_on_an_amx_cpu_is_retried_with_no_repack_and_remembered(
+    tmp_path: Path, amx_cpu: Path, caplog: pytest.LogCaptureFixture, mode: str, signal_name: str
 ) -> None:
-    server, record = managed_standin(tmp_path, DIES_UNLESS_NO_REPACK)
+    server, record = managed_standin(tmp_path, mode)
     await server.start(timeout=30)
     try:
         assert NO_REPACK in server.command
@@ -106,12 +160,47 @@ async def test_sigill_at_start_up_is_retried_with_no_repack_and_remembered(
         assert [NO_REPACK in argv for argv in starts(record)] == [False, True]
     finally:
         await server.stop()
+    said = [r.getMessage() for r in caplog.records if "starting it again" in r.getMessage()]
+    assert len(said) == 1 and signal_name in said[0] and "amx_tile" in said[0], said
 
-    again, _ = managed_standin(tmp_path, DIES_UNLESS_NO_REPACK)
+    again, _ = managed_standin(tmp_path, mode)
     await again.start(timeout=30)
     await again.stop()
     # The second start knew: one attempt, with the flag.
     assert [NO_REPACK in argv for argv in starts(record)] == [False, True, True]
+
+
+async def test_a_sigsegv_at_warm_up_on_a_cpu_without_amx_is_not_retried(
+    tmp_path: Path, amd_cpu: Path
+) -> None:
+    server, record = managed_standin(tmp_path, SEGV_UNLESS_NO_REPACK)
+    with pytest.raises(ServerError) as err:
+        await server.start(timeout=30)
+    first, _, rest = str(err.value).partition("\n")
+    assert "SIGSEGV" in first and "crashed" in first and NO_REPACK not in first
+    assert rest.startswith("its last lines:") and "llama threadpool init" in rest
+    assert len(starts(record)) == 1
+
+
+async def test_a_server_that_keeps_faulting_on_an_amx_cpu_is_tried_twice(
+    tmp_path: Path, amx_cpu: Path
+) -> None:
+    server, record = managed_standin(tmp_path, SEGV_ALWAYS)
+    with pytest.raises(ServerError) as err:
+        await server.start(timeout=30)
+    assert "SIGSEGV" in str(err.value).partition("\n")[0]
+    assert [NO_REPACK in argv for argv in starts(record)] == [False, True]
+
+
+async def test_a_death_with_no_line_says_so_instead_of_an_empty_list(
+    tmp_path: Path, amd_cpu: Path
+) -> None:
+    server, _ = managed_standin(tmp_path, SEGV_SILENTLY)
+    with pytest.raises(ServerError) as err:
+        await server.start(timeout=30)
+    lines = str(err.value).splitlines()
+    assert "SIGSEGV" in lines[0]
+    assert len(lines) == 2 and "wrote no line" in lines[1], lines
 
 
 async def test_a_server_that_always_dies_says_why_before_its_last_lines(tmp_path: Path) -> None:
@@ -153,23 +242,39 @@ async def test_the_benchmarks_go_through_the_same_path(
     assert len(starts(record)) == 2
 
 
+# `python -m kvproxy.cli ARGS…` on a CPU whose /proc/cpuinfo is the file given first.
+ON_CPU = (
+    "import sys; from pathlib import Path; import kvproxy.server.startup as s; "
+    "s.CPUINFO = Path(sys.argv.pop(1)); from kvproxy.cli import main; sys.exit(main())"
+)
+
+
 def serve(
-    tmp_path: Path, binary: Path, model: Path, port: int, stdout: int = subprocess.PIPE
+    tmp_path: Path,
+    binary: Path,
+    model: Path,
+    port: int,
+    stdout: int = subprocess.PIPE,
+    cpu: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPROXY_")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    command = [sys.executable, "-m", "kvproxy.cli", "serve", "--model", str(model)]
+    python = (
+        [sys.executable, "-c", ON_CPU, str(cpu)] if cpu else [sys.executable, "-m", "kvproxy.cli"]
+    )
+    command = [*python, "serve", "--model", str(model)]
     command += ["--server-bin", str(binary), "--port", str(port)]
     command += ["--cache-dir", str(tmp_path / "cache"), "--server-start-timeout", "60"]
     return subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.parametrize("mode", [DIES_UNLESS_NO_REPACK, SEGV_UNLESS_NO_REPACK])
 def test_managed_mode_starts_a_server_that_needs_no_repack(
-    tmp_path: Path, tiny_models: dict[str, Path]
+    tmp_path: Path, tiny_models: dict[str, Path], mode: str
 ) -> None:
-    binary, record = standin_binary(tmp_path, DIES_UNLESS_NO_REPACK)
+    binary, record = standin_binary(tmp_path, mode)
     port = free_port()
-    proc = serve(tmp_path, binary, tiny_models["dense"], port)
+    proc = serve(tmp_path, binary, tiny_models["dense"], port, cpu=cpuinfo(tmp_path, AMX_CPU))
     try:
         body = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
         request = urllib.request.Request(

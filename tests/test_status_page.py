@@ -247,3 +247,20 @@ async def test_a_save_and_a_restore_under_way_are_shown(make: Maker) -> None:
     assert seen == {"saving", "restoring"}
     await settle(proxy)
     assert all(s["action"] is None for s in (await status_json(proxy))["slots"])
+
+
+async def test_the_page_names_the_server_its_model_and_why_a_slot_is_not_saved(
+    make: Maker,
+) -> None:
+    """A conversation under --min-tokens is never saved: its slot says why, not "not yet";
+    the page names the server, its model, the mode and the settings that decide saving."""
+    fake, proxy = await make(min_tokens=256)
+    status, _, _ = await chat(proxy, [{"role": "user", "content": "hi"}])
+    assert status == 200
+    dom, slots = await dump_settled(proxy)
+    text = visible_text(dom)
+    assert [s["key"] is not None for s in slots].count(True) == 1
+    assert "no: under --min-tokens (256)" in text and "not yet" not in text
+    [backend] = proxy.stats()["backends"]
+    assert backend["model"] and f"llama-server {backend['name']} ({backend['model']})" in text
+    assert "sidecar · --min-tokens 256 · --idle-save-after" in text, text

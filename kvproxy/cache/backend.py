@@ -17,7 +17,7 @@ from kvproxy.cache.slotpool import SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute
-from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
+from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info, swa_note
 from kvproxy.server.modellist import is_router
 
 log = logging.getLogger("kvproxy.cache")
@@ -71,6 +71,7 @@ class Backend:
         model: str | None = None,
     ) -> None:
         self.upstream = upstream
+        self.managed = bool(settings.model or settings.models_dir)  # kvproxy started it
         # One of several servers: checked more often, and distrusted when it returns (its
         # requests went elsewhere meanwhile; it may have been restarted, empty).
         self.several = several or model is not None
@@ -231,7 +232,7 @@ class Backend:
                 len(slots),
                 props.get("model_path"),
                 self.model_class,
-                ": restores need --swa-full" if info and info.has_swa else "",
+                swa_note(info, self.managed),
             )
         self.enabled = True
         self._last_props_check = time.monotonic()

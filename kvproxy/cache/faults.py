@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger("kvproxy.cache")
 
+SAVING = "saving slots"  # the kind of saves the server or the disk refuses (slotio.py)
+
 
 @dataclass
 class FaultState:

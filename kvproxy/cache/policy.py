@@ -21,9 +21,9 @@ INEFFECTIVE_LIMIT = 3
 class Decision(StrEnum):
     """What the cache did for a request: its X-KVProxy-Cache header and metrics label."""
 
-    RESIDENT = "resident"  # the slot already held the start of the conversation
+    RESIDENT = "resident"  # the slot held this request's own earlier state (labels.py)
     RESTORED = "restored"  # the state came back from disk
-    MISS = "miss"  # nothing known matched: prefilled from scratch
+    MISS = "miss"  # nothing of its own was cached (a shared opening may be: cache_n)
     BYPASS = "bypass"  # not keyed (no messages, n > 1, other routes)
     BUSY = "busy"  # refused: every slot busy and the queue full
 

@@ -18,6 +18,7 @@ from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.clearing import clear_slot
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, SlotActionEvent
+from kvproxy.cache.faults import SAVING
 from kvproxy.cache.policy import worth_saving
 from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slots import NOBODY, Holding, Slot
@@ -179,21 +180,19 @@ class SlotWork:
             )
             entry = await self.store.commit_async(entry, temp)
         except UpstreamError as exc:
-            await self._save_failed(started, temp)
+            await self._save_failed(started, temp, exc if exc.status != 501 else None)
             if exc.status == 501:
                 self._no_slot_actions()
-            else:
-                self._disk_error(f"save of slot {slot.id} failed: {exc}")
             return False
         except FileNotFoundError as exc:  # saved into another dir: every save would leave one
             await self._save_failed(started, temp)
             self._no_slot_actions(f"{exc} in --cache-dir: its --slot-save-path is another dir")
             return False
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            await self._save_failed(started, temp)
-            self._disk_error(f"committing save of slot {slot.id} failed: {exc}")
+            await self._save_failed(started, temp, exc)
             return False
         seconds = time.perf_counter() - started
+        self.background.faults.succeeded(SAVING)
         slot.mark_saved()
         self.events.slot_action(
             SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds, background)
@@ -222,7 +221,9 @@ class SlotWork:
             self.settings.cache_dir,
         )
 
-    async def _save_failed(self, started: float, temp: str) -> None:
+    async def _save_failed(self, started: float, temp: str, fault: Exception | None = None) -> None:
+        if fault is not None:  # the server or the disk refused it (a full disk): faults.py
+            self.background.faults.failed(SAVING, fault)
         seconds = time.perf_counter() - started
         self.events.slot_action(SlotActionEvent("save", False, seconds=seconds))
         await asyncio.to_thread(self.store.files.discard_temp, temp)

@@ -16,6 +16,7 @@ import logging.handlers
 import os
 import queue
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -50,8 +51,17 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class Parser(argparse.ArgumentParser):
+    """No abbreviations (`--slot` is not `--slots`): a flag misspelt stops with an error
+    rather than setting another one. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvproxy",
         description="Caching reverse proxy for llama.cpp's llama-server.",
     )
@@ -110,6 +120,30 @@ def _stop_quietly(listener: LogWriter) -> None:
 
 
 async def serve(settings: Settings) -> int:
+    from kvproxy.edge.listen import close, reserve
+
+    if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
+        raise SystemExit(
+            f"kvproxy: refusing to listen on {settings.host} with --upstream-api-key and no "
+            "--client-api-keys: anyone who can reach the port would use llama-server with "
+            "its key. Set --client-api-keys KEY[,KEY…] (env KVPROXY_CLIENT_API_KEYS)."
+        )
+    # The port first, before anything is started: a port another process holds (a second
+    # `kvproxy serve`) ends this one here, having touched nothing.
+    try:
+        bound = reserve(settings)
+    except OSError as exc:
+        raise SystemExit(
+            f"kvproxy: cannot listen on {settings.host}:{settings.port}: "
+            f"{exc.strerror or exc} (is another kvproxy running? --port picks another)"
+        ) from None
+    try:
+        return await _serve(settings, bound)
+    finally:
+        close(bound)
+
+
+async def _serve(settings: Settings, bound: list[tuple[str, socket.socket]]) -> int:
     from aiohttp import web
 
     from kvproxy.cli.display import Ticker
@@ -119,17 +153,17 @@ async def serve(settings: Settings) -> int:
     from kvproxy.server.fleet import Fleet
     from kvproxy.server.launch import managed_command
     from kvproxy.server.managed import ManagedServer, find_server, free_port
+    from kvproxy.server.savepath import unwritable
 
-    if not settings.loopback and settings.upstream_api_key and not settings.client_api_keys:
-        raise SystemExit(
-            f"kvproxy: refusing to listen on {settings.host} with --upstream-api-key and no "
-            "--client-api-keys: anyone who can reach the port would use llama-server with "
-            "its key. Set --client-api-keys KEY[,KEY…] (env KVPROXY_CLIENT_API_KEYS)."
-        )
     fleet: Fleet | None = None
+    down: list[str] = []  # sidecar servers that did not answer at start
     if settings.model or settings.models_dir:
+        # llama-server saves slots there and kvproxy records what it starts: a dir it cannot
+        # write is one line now, not a traceback after the model has loaded.
+        problem = await asyncio.to_thread(unwritable, settings.cache_dir)
+        if problem is not None:
+            raise SystemExit(f"kvproxy: {problem}")
         binary = await asyncio.to_thread(find_server, settings.server_bin)
-        settings.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         ports: list[int] = []
         while len(ports) < settings.servers:
             port = free_port(avoid=settings.port)
@@ -161,7 +195,7 @@ async def serve(settings: Settings) -> int:
 
         upstream_urls = settings.upstream_urls
         # Its first save would find the mismatch, leaving a temp file in the server's dir.
-        await refuse_foreign_save_paths(upstream_urls, settings.api_key, settings.cache_dir)
+        down = await refuse_foreign_save_paths(upstream_urls, settings.api_key, settings.cache_dir)
     else:
         raise SystemExit(
             "kvproxy: nothing to proxy: give --upstream URL (a running llama-server) "
@@ -185,7 +219,7 @@ async def serve(settings: Settings) -> int:
     )
     try:
         await runner.setup()
-        await listen(runner, settings)
+        await listen(runner, settings, bound)
     except OSError as exc:
         await runner.cleanup()
         if fleet is not None:
@@ -205,7 +239,7 @@ async def serve(settings: Settings) -> int:
         "kvproxy ready: point OpenAI clients at http://%s:%d/v1 (llama-server at %s, cache %s)",
         shown_host,
         settings.port,
-        ", ".join(upstream_urls),
+        ", ".join(f"{u} (not answering yet)" if u in down else u for u in upstream_urls),
         settings.cache_dir,
     )
 
@@ -248,6 +282,12 @@ async def serve(settings: Settings) -> int:
         os._exit(exit_code)
     if fleet is not None:
         await fleet.stop(grace=max(1.0, stop_by - time.monotonic()))
+    # The last line: the stop is over (a terminal showed "shutting down" until now).
+    log.info(
+        "kvproxy stopped%s%s",
+        " with llama-server" if fleet is not None else "",
+        f" (exit {exit_code})" if exit_code else "",
+    )
     return exit_code
 
 

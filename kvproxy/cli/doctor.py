@@ -19,11 +19,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Checks a running llama-server and cache dir for what kvproxy needs. Each check "
             "is ok, warn or fail, with the exact flag to change; any fail exits 1. Without "
-            "--quick, three probes use idle slots (a running kvproxy notices and re-reads "
-            "them): whether an idle slot keeps its tokens when another slot works, "
-            "whether the server reuses a restored state — the one thing that decides if "
-            "restores save any time on this model — and whether its RAM prompt cache is on "
-            "(with several tenants it must be off: --cache-ram 0)."
+            "--quick, three probes use idle slots: whether an idle slot keeps its tokens "
+            "when another slot works, whether the server reuses a restored state — the one "
+            "thing that decides if restores save any time on this model — and whether its "
+            "RAM prompt cache is on (with several tenants it must be off: --cache-ram 0). "
+            "While a kvproxy serves from the cache dir, they and the probe save are skipped "
+            "(its slots hold its conversations): stop it to run them."
         ),
     )
     add_config_flag(parser)  # the server `kvproxy serve --config` names

@@ -7,7 +7,7 @@ import argparse
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +33,22 @@ def _default_shown(default: object) -> str:
     return ""
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
-    """One flag per Settings field, so flags, env vars and docs never drift apart."""
+def add_settings_flags(
+    parser: argparse.ArgumentParser,
+    only: Sequence[str] | None = None,
+    meaning: Mapping[str, str] | None = None,
+) -> None:
+    """One flag per Settings field, so flags, env vars and docs never drift apart. `meaning`:
+    what a flag means to a command that reads it otherwise than `serve` does (`kvproxy stats`
+    asks the proxy at --host and --port, it listens on neither)."""
     for name, info in Settings.model_fields.items():
         if name == "server_args" or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
         env = f"KVPROXY_{name.upper()}"
         shown = _default_shown(info.default)
-        help_text = f"{info.description} [env {env}{shown}]"
+        described = (meaning or {}).get(name, info.description)
+        help_text = f"{described} [env {env}{shown}]"
         if _is_bool(info.annotation):
             parser.add_argument(
                 flag,
@@ -119,5 +126,32 @@ def load_settings(cli: dict[str, Any], config: Path | None = None) -> Settings:
             where = f"--{field.replace('_', '-')} / KVPROXY_{field.upper()}"
             if field in in_file:
                 where += f" / {field} in {config}"
-            problems.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+            problems.append(f"{where}: {plain(err)} (got {err.get('input')!r})")
         raise SystemExit(f"kvproxy: invalid setting: {'; '.join(problems)}") from None
+
+
+# What a value must be, by pydantic's error type: kvproxy's words, naming an example.
+_MUST = {
+    "url_parsing": "must be a URL with its scheme, such as http://127.0.0.1:8080",
+    "url_scheme": "must be an http:// or https:// URL",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_parsing": "must be a number, or a duration such as 90s, 15m, 12h or 3d",
+    "byte_size_unit": "must be a size such as 512MiB, 50GiB or 0",
+    "byte_size": "must be a size such as 512MiB, 50GiB or 0",
+    "bool_parsing": "must be true or false (on/off, yes/no, 1/0)",
+}
+
+
+def plain(err: Any) -> str:
+    """A value's problem in one short phrase, without pydantic's own vocabulary."""
+    kind, ctx = err.get("type", ""), err.get("ctx") or {}
+    if kind in _MUST:
+        return _MUST[kind]
+    if kind == "greater_than_equal":
+        return f"must be at least {ctx.get('ge')}"
+    if kind == "less_than_equal":
+        return f"must be at most {ctx.get('le')}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}"
+    return str(err.get("msg", "invalid")).removeprefix("Value error, ")

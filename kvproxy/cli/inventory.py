@@ -75,7 +75,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     stats.add_argument("--url", help="the proxy's URL (default: from --host and --port)")
     stats.add_argument("--json", action="store_true", help="print the raw JSON")
-    add_settings_flags(stats, only=["host", "port", "admin_token"])
+    add_settings_flags(
+        stats,
+        only=["host", "port", "admin_token"],
+        meaning={
+            "host": "address of the kvproxy to ask (the --host it was started with)",
+            "port": "port of the kvproxy to ask (the --port it was started with)",
+        },
+    )
     stats.set_defaults(func=cmd_stats)
 
 

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from kvproxy.cache.events import Events
+from kvproxy.cache.policy import Decision as CacheDecision
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
 from kvproxy.edge.guards import admin_refusal, client_refusal, host_refusal
@@ -29,6 +30,7 @@ from kvproxy.lanes.cache import ConversationCache
 from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import RequestLog
+from kvproxy.store import presence
 from kvproxy.wire import WireAdapter
 from kvproxy.wire.chat import ChatAdapter
 from kvproxy.wire.messages import MessagesAdapter
@@ -37,6 +39,8 @@ from kvproxy.wire.responses import ResponsesAdapter
 
 log = logging.getLogger("kvproxy.proxy")
 
+# The X-KVProxy-Cache of a slot-using request kvproxy sent on as it came.
+BYPASS = {"X-KVProxy-Cache": CacheDecision.BYPASS.value}
 # The routes metrics label one by one: those that use a slot.
 SLOT_PATHS = routes.paths(Treatment.KEYED) | routes.paths(Treatment.EVERY_SLOT)
 
@@ -81,6 +85,7 @@ class Service:
         # time.monotonic() by which saving at shutdown must end (kvproxy serve sets it at
         # SIGTERM, from --shutdown-timeout, with room left to stop the managed server).
         self.stop_by: float | None = None
+        self.presence: int | None = None  # the cache dir's lock while serving (presence.py)
         self.events.listeners += [self.metrics, RequestLog(), self.recent]
         self.adapters = adapters(settings.keep_reasoning)
 
@@ -100,10 +105,13 @@ class Service:
         return {
             **stats,
             "requests_total": sum(stats["requests"].values()),
+            "settings": status.shown_settings(self.settings),
             **self.recent.snapshot(),
         }
 
     async def start(self) -> None:
+        # For as long as this proxy serves: `kvproxy doctor` leaves the slots alone meanwhile.
+        self.presence = await asyncio.to_thread(presence.hold, self.settings.cache_dir)
         for upstream in self.upstreams:
             await upstream.start()
         await self.cache.start()
@@ -114,6 +122,7 @@ class Service:
         finally:
             for upstream in self.upstreams:
                 await upstream.close()
+            presence.release(self.presence)
 
     def save_budget(self) -> float:
         """What is left for saving slots: until `stop_by` when kvproxy serve set it (the
@@ -155,6 +164,8 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if refusal is not None:
         return error_response(403, refusal, "host_not_allowed")
     path = normal_path(request.path)
+    if path == "/" and request.method in ("GET", "HEAD"):
+        return status.root_answer()
     own = path == "/kvproxy" or path.startswith("/kvproxy/")
     if not (own or path == "/metrics"):
         refused = client_refusal(request, service.settings)
@@ -247,8 +258,8 @@ async def _serve(
         return await lane.unkeyed.hold_all(request, path_qs, body)
     if decision.treatment is Treatment.EVERY_SLOT and request.method == "POST":
         async with lanes.lane_for(request) as (lane, as_it_is):
-            if as_it_is:
-                return await forward(request, service, path_qs, upstream=lane.backend.upstream)
+            if as_it_is:  # the router's refusal is the answer; nothing was cached
+                return await forward(request, service, path_qs, BYPASS, lane.backend.upstream)
             not_yet = await lanes.ready(lane)
             if not_yet is not None:
                 return not_yet

@@ -18,8 +18,10 @@ clients holding connections (itself counted, at least two, so one alone leaves h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
+import socket
 from typing import Any
 
 import orjson
@@ -119,10 +121,14 @@ class _Gate(asyncio.Protocol):
 
 
 class CappedSite(web.TCPSite):
-    """A TCP site that hands at most `limit` connections at once to the app's server."""
+    """A TCP site that hands at most `limit` connections at once to the app's server, on a
+    socket bound beforehand (`reserve`)."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, limit: int) -> None:
+    def __init__(
+        self, runner: web.BaseRunner, sock: socket.socket, host: str, port: int, limit: int
+    ) -> None:
         super().__init__(runner, host, port)
+        self.sock = sock
         self.limit = limit
         self.refusals = 0
         self._warned: set[str | None] = set()  # clients named once in the log as over share
@@ -151,16 +157,49 @@ class CappedSite(web.TCPSite):
         await web.BaseSite.start(self)  # registers the site (TCPSite.start would listen too)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._protocol,
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port,
+            self._protocol, sock=self.sock, backlog=self._backlog
         )
 
 
-async def listen(runner: web.BaseRunner, settings: Settings) -> None:
-    """A site on each address of `--host` (a comma list, as llama-server's), one port."""
-    for host in settings.hosts:
-        await CappedSite(runner, host, settings.port, settings.max_connections).start()
+def reserve(settings: Settings) -> list[tuple[str, socket.socket]]:
+    """The port on each address of `--host` (a comma list, as llama-server's), bound now and
+    listened on later (`listen`): before kvproxy starts anything, so a port another process
+    holds stops it at once, and nothing takes the port meanwhile. Bound as asyncio's
+    create_server binds (every address a name resolves to, SO_REUSEADDR, IPv6 only on IPv6
+    sockets); connections are refused until `listen`. Raises OSError (all closed then)."""
+    bound: list[tuple[str, socket.socket]] = []
+    try:
+        for host in settings.hosts:
+            infos = socket.getaddrinfo(
+                host or None,
+                settings.port,
+                type=socket.SOCK_STREAM,
+                flags=socket.AI_PASSIVE,
+            )
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                bound.append((host, sock))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError:
+        close(bound)
+        raise
+    return bound
+
+
+def close(bound: list[tuple[str, socket.socket]]) -> None:
+    for _, sock in bound:
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+async def listen(
+    runner: web.BaseRunner,
+    settings: Settings,
+    bound: list[tuple[str, socket.socket]] | None = None,
+) -> None:
+    """A site on each socket `reserve` bound (bound now when none are given)."""
+    for host, sock in reserve(settings) if bound is None else bound:
+        await CappedSite(runner, sock, host, settings.port, settings.max_connections).start()

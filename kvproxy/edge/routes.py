@@ -154,8 +154,14 @@ ROUTES: tuple[Route, ...] = (
     Route("/api/chat", POST, PASS, "Ollama chat: not keyed, as before"),
     *_each(_TOKENS, POST, PASS, _LOADS, role=Role.LOADS_MODEL),
     *_each(_TOKEN_COUNTS, POST, PASS, f"token counts; {_LOADS}", role=Role.LOADS_MODEL),
-    *_each(("/", "/sw.js"), GET, PASS, "the server's web UI"),
     # --- kvproxy's own
+    Route(
+        "/",
+        GET,
+        Treatment.OWN,
+        "a 404 naming the API (`/v1`) and the status page (`/kvproxy/`): llama-server's web "
+        "UI is not forwarded (its assets have build-hashed names; the bundled build has none)",
+    ),
     Route(
         "/kvproxy/*",
         ANY,

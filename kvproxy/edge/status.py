@@ -11,10 +11,11 @@ import hashlib
 import re
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from aiohttp import web
 
+from kvproxy.config import Settings
 from kvproxy.http.errors import error_response
 from kvproxy.server.managed import LOG_TAIL_LINES as MAX_LOG_LINES
 
@@ -76,3 +77,26 @@ async def server_log_response(
     return web.json_response(
         {"managed": tail is not None, "lines": lines}, headers={"Cache-Control": "no-store"}
     )
+
+
+def root_answer() -> web.Response:
+    """`GET /`: what a browser opening kvproxy's address finds. kvproxy forwards no web UI
+    (llama-server's assets have build-hashed names no route table can list)."""
+    return error_response(
+        404,
+        "This is kvproxy: point OpenAI clients at /v1 (e.g. POST /v1/chat/completions); its "
+        "status page is /kvproxy/. llama-server's web UI, where its build has one, is on the "
+        "server's own port.",
+        "not_found",
+    )
+
+
+def shown_settings(s: Settings) -> dict[str, Any]:
+    """What the page names besides the servers and their models (status.json `settings`)."""
+    return {
+        "mode": "managed" if s.model or s.models_dir else "sidecar",
+        "min_tokens": s.min_tokens,
+        "idle_save_after": s.effective_idle_save_after,
+        "write_through": s.write_through,
+        "ttl": s.ttl,
+    }

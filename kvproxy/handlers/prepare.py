@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
+from kvproxy.cache.labels import own_state
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import Decision, Move, expected_resident
 from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
@@ -185,6 +186,8 @@ class Preparer:
         held = slot.holding
         if plan.leave_opening and resident == 0:
             return MISS  # the slot could not be cut back to what the request shares
+        if not own_state(conv.messages, resident, len(held.chain) if held is not None else 0):
+            return MISS  # only an opening it shares with the slot's: cache_n shows the reuse
         expected = (
             None if held is None else expected_resident(resident, len(held.chain), held.n_tokens)
         )

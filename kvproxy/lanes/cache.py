@@ -37,6 +37,7 @@ from kvproxy.lanes.discovery import Discovery
 from kvproxy.lanes.dispatch import Dispatch
 from kvproxy.lanes.lane import Lane, make_lane
 from kvproxy.lanes.stats import backend_state, slot_state, unsaved
+from kvproxy.server.api import key_refused
 from kvproxy.store import Store, dirfiles
 
 log = logging.getLogger("kvproxy.cache")
@@ -208,6 +209,16 @@ class ConversationCache:
         try:
             await lane.backend.discover()
         except UpstreamError as exc:
+            refused = key_refused(exc, lane.backend.upstream.api_key is not None)
+            if refused is not None:
+                log.warning(
+                    "%s (%s refuses kvproxy's own calls: %s); until then requests pass "
+                    "through uncached",
+                    refused,
+                    lane.name,
+                    exc,
+                )
+                return
             # A router's model not loaded yet answers 400: its first request loads it.
             (log.info if lane.backend.model else log.warning)(
                 "llama-server %s not ready (%s); will retry in the background", lane.name, exc

@@ -26,6 +26,22 @@ from kvproxy.http.session import Upstream, UpstreamError
 SLOT_ACTION_TIMEOUT: float | None = None
 
 
+def key_refused(exc: UpstreamError, key_given: bool) -> str | None:
+    """What llama-server's 401 to kvproxy's own call means, naming the flag that fixes it;
+    None for any other error. (The server's --api-key covers every route but /health.)"""
+    if exc.status != 401:
+        return None
+    if key_given:
+        return (
+            "llama-server refuses kvproxy's --upstream-api-key: set it to one of "
+            "llama-server's --api-key values (env KVPROXY_UPSTREAM_API_KEY)"
+        )
+    return (
+        "llama-server runs with --api-key: pass kvproxy --upstream-api-key KEY "
+        "(env KVPROXY_UPSTREAM_API_KEY)"
+    )
+
+
 @dataclass(frozen=True)
 class SlotInfo:
     """One slot as GET /slots shows it; `n_prompt_tokens` is None before its first use."""

@@ -2,10 +2,12 @@
 command line is `kvproxy.cli.doctor`, so other commands do not import this module and aiohttp).
 
 Each check is ok, warn or fail, with the exact flag to change; any fail exits 1. Without
-`--quick`, three probes use idle slots (a running kvproxy notices and re-reads them): whether
-an idle slot keeps its tokens when another slot works, whether the server reuses a restored
-state — the one thing that decides if restores save any time on this model — and whether its
-RAM prompt cache is on (promptcache.py).
+`--quick`, three probes use idle slots: whether an idle slot keeps its tokens when another
+slot works, whether the server reuses a restored state — the one thing that decides if
+restores save any time on this model — and whether its RAM prompt cache is on
+(promptcache.py). They and the probe save evaluate, save and erase slots, so while a kvproxy
+serves from the cache dir (store/presence.py) they are skipped with a note: a running
+proxy's slots hold its conversations, and a slot action beside its own could hang them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvproxy.server.leftover import managed_urls
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 from kvproxy.server.modellist import is_router
 from kvproxy.server.savepath import probe_check, probe_save_path
+from kvproxy.store.presence import served_from
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -86,9 +89,11 @@ class Doctor:
     async def probes(self) -> None:
         from kvproxy.server.promptcache import NAME, check_prompt_cache
 
-        if self.quick:
+        beside = await self._beside_proxy()
+        if self.quick or beside:
+            why = beside or "--quick"
             for name in ("idle slots kept", "restore reuse", NAME):
-                self.add(name, "warn", "not probed (--quick)")
+                self.add(name, "warn", f"not probed ({why})")
         else:
             await self.check_idle_wipe()
             await self.check_restore_reuse()
@@ -205,6 +210,10 @@ class Doctor:
             self.add("cache dir", "ok", f"{self.cache_dir}: private, {_gib(free)} free")
 
     async def check_save_path(self) -> None:
+        beside = await self._beside_proxy()
+        if beside:
+            self.add("slot save path", "warn", f"not probed ({beside})")
+            return
         status, detail, fix = probe_check(await probe_save_path(self.llama, self.cache_dir))
         self.add("slot save path", status, detail, fix)
         if status == "fail":
@@ -284,6 +293,15 @@ class Doctor:
         )
 
     # --- helpers
+
+    async def _beside_proxy(self) -> str:
+        """Why the probes must leave the slots alone ("" when they may use them)."""
+        if not await asyncio.to_thread(served_from, self.cache_dir):
+            return ""
+        return (
+            f"a kvproxy is serving from {self.cache_dir}: its slots are left alone; stop it "
+            "to probe them"
+        )
 
     def _idle_slot(self) -> int | None:
         return next((s.id for s in self.slots if not s.is_processing), None)

@@ -165,7 +165,10 @@ class Fleet:
             for s in self.servers
             if s.process is not None and s.process.returncode is None
         ]
-        await asyncio.to_thread(leftover.record_many, self.cache_dir, running)
+        try:
+            await asyncio.to_thread(leftover.record_many, self.cache_dir, running)
+        except OSError as exc:  # only a kvproxy SIGKILLed later would leave its server behind
+            log.warning("cannot write down the servers started in %s: %s", self.cache_dir, exc)
 
     async def recent_log(self, n: int) -> list[str]:
         """The servers' last `n` lines; with several, each one's in turn, tagged with its port."""
@@ -178,4 +181,7 @@ class Fleet:
 
     async def stop(self, grace: float = 10.0) -> None:
         await asyncio.gather(*(server.stop(grace) for server in self.servers))
-        await asyncio.to_thread(leftover.forget, self.cache_dir)
+        try:
+            await asyncio.to_thread(leftover.forget, self.cache_dir)
+        except OSError as exc:
+            log.warning("cannot update the record of llama-servers in %s: %s", self.cache_dir, exc)

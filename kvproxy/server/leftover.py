@@ -7,7 +7,8 @@ kvproxy writes down what it started (dirfiles.SERVER, in the cache dir) and, at 
 start, stops that process if it is still there and no longer has the kvproxy that started it
 as its parent. A process is recognised by its exact command line, so a reused pid or a
 server someone else runs is never touched; another kvproxy still running on the same cache
-dir keeps its server."""
+dir keeps its server, and its entry in the record: each kvproxy writes and removes only its
+own entries there (by its pid, `owner`)."""
 
 from __future__ import annotations
 
@@ -91,9 +92,30 @@ def record(root: Path, pid: int, command: list[str]) -> None:
 
 
 def record_many(root: Path, processes: Sequence[tuple[int, Sequence[str]]]) -> None:
-    """What managed mode runs now (`--servers N`: several), replacing the last record."""
+    """What this kvproxy's managed mode runs now (`--servers N`: several), replacing its own
+    entries; those of other kvproxies on the same cache dir whose servers still run stay."""
     owner = os.getpid()
-    started = [Started(pid, owner, tuple(command)).to_json() for pid, command in processes]
+    ours = [Started(pid, owner, tuple(command)) for pid, command in processes]
+    _write(root, [*others_running(recorded(dirfiles.read(root, dirfiles.SERVER))), *ours])
+
+
+def others_running(entries: Sequence[Started]) -> list[Started]:
+    """The entries of other kvproxies whose servers still run exactly as started."""
+    owner = os.getpid()
+    return [s for s in entries if s.owner != owner and _runs_as_started(s)]
+
+
+def _runs_as_started(started: Started) -> bool:
+    now = running(started.pid)
+    return now is not None and now.command == started.command
+
+
+def _write(root: Path, entries: Sequence[Started]) -> None:
+    """The record of `entries` (the one-server form for one); none: no record."""
+    if not entries:
+        dirfiles.remove(root, dirfiles.SERVER)
+        return
+    started = [s.to_json() for s in entries]
     dirfiles.write(root, dirfiles.SERVER, started[0] if len(started) == 1 else {"servers": started})
 
 
@@ -120,7 +142,12 @@ def managed_urls(root: Path) -> list[str]:
 
 
 def forget(root: Path) -> None:
-    dirfiles.remove(root, dirfiles.SERVER)
+    """This kvproxy's servers stopped: its entries go; another kvproxy's stay."""
+    everything = recorded(dirfiles.read(root, dirfiles.SERVER))
+    owner = os.getpid()
+    if everything and all(s.owner != owner for s in everything):
+        return  # nothing of ours: the record is left exactly as another kvproxy wrote it
+    _write(root, others_running(everything))
 
 
 def stop_leftover(root: Path, grace: float = STOP_GRACE_S) -> int | None:
@@ -131,11 +158,12 @@ def stop_leftover(root: Path, grace: float = STOP_GRACE_S) -> int | None:
     if not everything:
         return None
     stopped: int | None = None
-    still_ours = False
+    kept: list[Started] = []
     for started in everything:
         now = running(started.pid)
         if not is_leftover(started, now):
-            still_ours |= now is not None  # another kvproxy's, still running: keep the record
+            if now is not None and now.command == started.command:
+                kept.append(started)  # another kvproxy's, still running: its entry stays
             continue
         log.warning(
             "stopping llama-server pid %d: a kvproxy that was killed left it running on %s",
@@ -145,10 +173,10 @@ def stop_leftover(root: Path, grace: float = STOP_GRACE_S) -> int | None:
         if any(_ended(started.pid, sig, grace) for sig in (signal.SIGTERM, signal.SIGKILL)):
             stopped = started.pid
         else:
-            still_ours = True
+            kept.append(started)
             log.warning("llama-server pid %d is still there after SIGKILL", started.pid)
-    if not still_ours:
-        forget(root)
+    if kept != everything:
+        _write(root, kept)
     return stopped
 
 

