@@ -30,13 +30,15 @@ from kvproxy.server.managed import (
     server_command,
 )
 from kvproxy.store import DB_NAME, IndexDB
+from kvproxy.store.owners import OWNERS
 from kvproxy.store.salt import SALT_NAME
 
 from .fakeserver import FakeLlamaServer
 from .ggufmodels import model_files
 
-# kvproxy's own files in a cache dir, beside the entries: the index (and its WAL), the salt.
-NOT_ENTRIES = (DB_NAME, SALT_NAME)
+# kvproxy's own files in a cache dir, beside the entries: the index (and its WAL), the salt,
+# the owners' lock files.
+NOT_ENTRIES = (DB_NAME, SALT_NAME, OWNERS)
 
 
 @dataclass
