@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from kvproxy import keys
-from kvproxy.wire import Conversation, NotKeyed, several_slots
+from kvproxy.wire import Conversation, NotKeyed, several_slots, with_lora_of
 
 BLOCK_CHARS = 256
 
@@ -77,7 +77,7 @@ def _infill_text(payload: Mapping[str, Any]) -> str | None:
 
 
 def read_prompt(
-    path: str, payload: Mapping[str, Any], model_identity: str, tenant: str | None
+    path: str, payload: Mapping[str, Any], model_identity: keys.Identity | str, tenant: str | None
 ) -> Conversation | NotKeyed:
     kind = PROMPT_ROUTES.get(path)
     if kind is None:
@@ -89,6 +89,9 @@ def read_prompt(
     text = _infill_text(payload) if kind == "infill" else _prompt_text(payload.get("prompt"))
     if not text:
         return NotKeyed("no single text prompt")
-    ns = keys.namespace(f"{model_identity}\0{kind}", {}, tenant)
+    if "lora" in payload and not isinstance(payload["lora"], list):
+        return NotKeyed("lora is not a list")  # the server refuses it (400)
+    identity = keys.Identity.of(model_identity)
+    ns = keys.namespace(f"{identity.for_request(payload)}\0{kind}", {}, tenant)
     chain = keys.chain(ns, _blocks(text))
-    return Conversation(dict(payload), ns, chain, [], {}, tenant)
+    return with_lora_of(Conversation(dict(payload), ns, chain, [], {}, tenant), identity, payload)
