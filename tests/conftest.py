@@ -22,6 +22,7 @@ from kvproxy.cache.wiring import ConversationCache
 from kvproxy.config import Settings
 from kvproxy.edge.app import SERVICE, build_app
 from kvproxy.edge.listen import listen, runner_options
+from kvproxy.server import probe
 from kvproxy.server.managed import (
     ManagedServer,
     find_server_binary,
@@ -37,8 +38,8 @@ from .fakeserver import FakeLlamaServer
 from .ggufmodels import model_files
 
 # kvproxy's own files in a cache dir, beside the entries: the index (and its WAL), the salt,
-# the owners' lock files.
-NOT_ENTRIES = (DB_NAME, SALT_NAME, OWNERS)
+# the owners' lock files, the behavioural probe's book.
+NOT_ENTRIES = (DB_NAME, SALT_NAME, OWNERS, probe.BOOK, probe.BOOK_LOCK)
 
 
 @dataclass

@@ -14,13 +14,17 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.slots import SlotPool
+from kvproxy import keys
+from kvproxy.cache.loras import NamespaceLoras
+from kvproxy.cache.slots import QueueFull, SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.server import probe
 from kvproxy.server.api import LlamaClient, ModelRoute
+from kvproxy.server.fingerprint import Fingerprint, Fingerprinter
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
-from kvproxy.server.router import is_router
+from kvproxy.server.router import is_router, list_models
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -81,12 +85,31 @@ class Backend:
         self.client = LlamaClient(upstream, ModelRoute(model) if model else None)
         self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
         self.enabled = False  # slot pinning works (GET /slots answered)
-        self.disk_enabled = True  # slot save/restore works (--slot-save-path set)
+        self.slot_actions = True  # slot save/restore works (--slot-save-path set)
         # The cache dir is open (the cache sets it false while it opens): until then nothing
         # discovers the server, so requests pass through uncached.
         self.store_open = True
         self.model_identity = ""
         self.model_info: ModelInfo | None = None
+        # What the server computes KV with (server/fingerprint.py), read at each start seen.
+        self.fingerprinter = Fingerprinter(
+            self.client,
+            upstream.base_url,
+            settings.cache_dir,
+            self._router_args if model is not None else None,
+            _managed_args(settings) if model is None else None,
+        )
+        self.fingerprint: Fingerprint | None = None
+        self.identity = keys.Identity("")  # what requests are keyed under
+        self.loras = NamespaceLoras()  # each namespace's adapter scales (evaluations use them)
+        # One name per start of the server seen (`life_started`: when), for what holds only
+        # while it runs (the restore guard's proofs, entries it refused).
+        self.life = ""
+        self._lives = 0
+        self.life_started = 0.0
+        # Why saves and restores are paused (a file the server loaded changed on disk: the
+        # next start loads other content), None while they are not.
+        self.doubt: str | None = None
         self._last_props_check = 0.0
         # Probe route (SLOT_PICKING_ROUTES) -> (the server refuses it, when that was seen).
         self._refusals: dict[str, tuple[bool, float]] = {}
@@ -104,7 +127,13 @@ class Backend:
 
     def refuses_slot_actions(self) -> None:
         """The server answered a slot action 501 (no --slot-save-path): no saves or restores."""
-        self.disk_enabled = False
+        self.slot_actions = False
+
+    @property
+    def disk_enabled(self) -> bool:
+        """Saves and restores may be done: the server has slot actions, and kvproxy knows what
+        it computes with."""
+        return self.slot_actions and self.doubt is None
 
     def store_opening(self, opening: bool) -> None:
         """While the cache dir opens, nothing discovers the server: requests pass through."""
@@ -129,6 +158,12 @@ class Backend:
     def label(self) -> str | None:
         """The server's name where a request's report names it: only among several."""
         return self.name if self.several else None
+
+    @property
+    def swa_full(self) -> bool | None:
+        """Whether the server runs with --swa-full (None: its flags are not known)."""
+        fp = self.fingerprint
+        return None if fp is None or not fp.flags_known else fp.has_flag("--swa-full")
 
     @property
     def model_class(self) -> str:
@@ -182,6 +217,7 @@ class Backend:
             raise
         self.down = None
         self.router = self.model is None and is_router(props)
+        lost = self._lost  # it may have started again meanwhile, whatever /props says
         if self._lost:
             self._lost = False
             log.info(
@@ -192,34 +228,31 @@ class Backend:
                     slot.forget()
         if self._notice_sleep(props) and not wake:
             return
-        identity = await asyncio.to_thread(model_identity, props)
+        known = self.fingerprint
+        same = known is not None and not lost and await self.fingerprinter.same_server(known, props)
         if (
             not wake
             and self.enabled
-            and identity == self.model_identity
+            and same
             and props.get("total_slots", len(self.pool.slots)) == len(self.pool.slots)
             and props.get("endpoint_slots", True) is not False
         ):
+            assert known is not None
+            await self._watch_files(known)
             return  # the server kvproxy knows
         try:
             slots = await self.client.slots()
         except UpstreamError as exc:
+            identity = await asyncio.to_thread(model_identity, props)
             if self.enabled or self.model_identity != identity:
                 log.warning("GET /slots failed (%s): caching is off, requests pass through", exc)
             self._no_slots_seen = time.monotonic()
             self.enabled = False
             self.model_identity = identity
+            self.fingerprint = None
             return
-        if identity != self.model_identity or len(slots) != len(self.pool.slots):
-            if self.model_identity:
-                log.info("llama-server changed (model or slots): forgetting what slots held")
-            self.pool.resize(len(slots))
-            self.pool.forget_all()
-            self._refusals.clear()
-            self.model_identity = identity
-            self.model_info = await asyncio.to_thread(
-                read_model_info, str(props.get("model_path") or "")
-            )
+        if not same or len(slots) != len(self.pool.slots):
+            await self._started(props, len(slots))
         self.pool.seen_empty(slots)
         if not self.enabled:
             info = self.model_info
@@ -232,6 +265,68 @@ class Backend:
             )
         self.enabled = True
         self._last_props_check = time.monotonic()
+
+    async def _started(self, props: dict[str, Any], n_slots: int) -> None:
+        """A server seen for the first time, changed, or started again: nothing its slots
+        held is known, and what it computes with is read again (its fingerprint, with the
+        probe run on one of its slots)."""
+        if self.model_identity:
+            log.info("llama-server changed or started again: forgetting what slots held")
+        self.pool.resize(n_slots)
+        self.pool.forget_all()
+        self._refusals.clear()
+        fp = await self.fingerprinter.read(props, self._probe)
+        if fp.text != self.model_identity:
+            self.model_info = await asyncio.to_thread(
+                read_model_info, fp.text.split("|", 1)[0] or str(props.get("model_path") or "")
+            )
+        self.fingerprint = fp
+        self.model_identity = fp.text
+        self.identity = keys.Identity(fp.text, fp.lora_defaults)
+        self._lives += 1
+        self.life = f"{self.name}#{self._lives}"
+        self.life_started = time.time()
+        if self.doubt is not None:
+            log.info("llama-server started again: saves and restores resume")
+        self.doubt = None
+
+    async def _watch_files(self, known: Fingerprint) -> None:
+        """A file the running server loaded changed on disk: it still computes with what it
+        read, and will compute with the new content once it starts again, which kvproxy may
+        not see happen (a restart between two looks). Saves and restores pause until it is
+        seen to start again."""
+        if self.doubt is not None:
+            return
+        changed = await self.fingerprinter.changed_files(known)
+        if changed:
+            self.doubt = f"{changed[0]} changed on disk"
+            log.warning(
+                "%s while llama-server %s runs: saves and restores pause until it starts "
+                "again (its states stay filed under what it loaded)",
+                self.doubt,
+                self.name,
+            )
+
+    async def _probe(self) -> probe.Behaviour | None:
+        """The behavioural probe, on a slot taken from the pool and then forgotten."""
+        try:
+            slot, _ = await self.pool.acquire()
+        except QueueFull:
+            log.warning("no idle slot on %s for the behavioural probe", self.name)
+            return None
+        try:
+            return await probe.behaviour(self.client, slot.id)
+        finally:
+            slot.forget()
+            self.pool.release(slot, used=False)
+
+    async def _router_args(self) -> list[str] | None:
+        """This router model's command line, as GET /models shows it."""
+        try:
+            models = await list_models(self.upstream)
+        except UpstreamError:
+            return None
+        return next((list(m.args) for m in models if m.id == self.model), None)
 
     def _notice_sleep(self, props: dict[str, Any]) -> bool:
         """Whether the server is asleep, as /props says. Falling asleep it unloads the model
@@ -285,3 +380,10 @@ class Backend:
         probe = SLOT_PICKING_ROUTES.get(path)
         if probe is not None:
             self._refusals[probe] = (False, time.monotonic())
+
+
+def _managed_args(settings: Settings) -> list[str] | None:
+    """The flags managed mode starts its server with, where its process cannot be read."""
+    if not settings.model:
+        return None
+    return list(settings.server_args)

@@ -22,9 +22,10 @@ from kvproxy.cache.backend import Backend
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
-from kvproxy.cache.explain import explain_against, why_weak
+from kvproxy.cache.explain import explain_against, wasted_hint, why_weak
 from kvproxy.cache.incoming import Incoming, read_incoming
 from kvproxy.cache.leases import Lease
+from kvproxy.cache.loras import sent
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.prepare import Preparer
 from kvproxy.cache.prepared import Prepared
@@ -84,7 +85,10 @@ class Conversations:
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, Any]
     ) -> Conversation | NotKeyed:
         """The request as a conversation of this server's model (its namespace)."""
-        return adapter.read(payload, self.backend.model_identity, self.tenant_of(request.headers))
+        conv = adapter.read(payload, self.backend.identity, self.tenant_of(request.headers))
+        if isinstance(conv, Conversation):
+            self.backend.loras.note(conv)
+        return conv
 
     async def serve(
         self,
@@ -158,7 +162,9 @@ class Conversations:
                     request,
                     self.backend.upstream,
                     adapter.upstream_path(path_qs),
-                    adapter.pinned(with_reply_cap(conv.payload, self.reply_cap), slot.id),
+                    adapter.pinned(
+                        with_reply_cap(sent(conv, prepared.decision), self.reply_cap), slot.id
+                    ),
                     body_replaced=True,
                     extra_headers=prepared.headers(),
                     tap=capture.feed,
@@ -239,7 +245,7 @@ class Conversations:
         times: tuple[float, float],
     ) -> None:
         if prepared.decision is Decision.RESTORED:
-            self._judge_restore(conv.namespace, prepared.expected_n, reply)
+            self._judge_restore(conv.namespace, prepared, reply)
         timings = (reply.timings if reply is not None else None) or {}
         event = _event(request, slot, conv, prepared, status, times, self.backend)
         # What came from a cache: not the tokens kvproxy had evaluated on the way.
@@ -263,22 +269,24 @@ class Conversations:
         else:
             self.events.request(event)
 
-    def _judge_restore(self, namespace: str, expected: int | None, reply: Reply | None) -> None:
+    def _judge_restore(self, namespace: str, prepared: Prepared, reply: Reply | None) -> None:
         timings = (reply.timings if reply is not None else None) or {}
         cache_n = _int_or_none(timings.get("cache_n"))
         prompt_n = _int_or_none(timings.get("prompt_n"))
-        verdict = judge_restore(expected, cache_n, prompt_n)
+        verdict = judge_restore(prepared.expected_n, cache_n, prompt_n)
         if verdict is RestoreVerdict.WASTED:
             self.events.count(Count.WASTED_RESTORE)
-        if self.guard.record(namespace, verdict):
+        if prepared.restored_from is None:
+            return
+        key, older = prepared.restored_from
+        if self.guard.record(self.backend.life, namespace, key, older, verdict):
             log.warning(
                 "llama-server reused none of %s restored tokens (cache_n=%s), %d times in a "
-                "row: kvproxy stops restoring for this model. Sliding-window models (Gemma, "
-                "gpt-oss) need llama-server --swa-full; recurrent and hybrid models reuse a "
-                "restore only when the next prompt extends it exactly.",
-                expected,
+                "row: %s",
+                prepared.expected_n,
                 cache_n,
                 self.guard.limit,
+                wasted_hint(self.backend.model_info, self.backend.swa_full, older),
             )
 
     def _reply_held(

@@ -87,6 +87,7 @@ class Openings:
         self.backend = ctx.backend
         self.store = ctx.store
         self.settings = ctx.settings
+        self.guard = ctx.guard
         self.work = work
         self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
         self.kept = NamespaceLRU()  # which namespaces' openings are remembered (bounds.py)
@@ -119,21 +120,34 @@ class Openings:
         """The stored entries for the request, in one index query (and a second only when
         the entry found expired since housekeeping last applied the TTL)."""
         await self.work.saves_done(conv.keys)
-        found = await self.store.candidates_async(conv.keys, conv.namespace)
+        found = self.restorables(await self.store.candidates_async(conv.keys, conv.namespace))
         best = await self._pick(conv, found)
         if best is not None and self.store.expired(best[0]):
             # A full eviction pass costs O(entries): housekeeping runs it every second, and
             # an entry that expired since is not restored either.
             await self.work.evict()
             found = await self.store.candidates_async(conv.keys, conv.namespace)
+            found = self.restorables(found)
             best = await self._pick(conv, found)
         # candidates() puts the longest match first.
         longest = found[0] if found else None
         if best is None:
             stem = await self.stems.find(conv)
-            if stem is not None:
+            if stem is not None and self.restorable(stem):
                 return Found((stem, 0), longest, stem=True)
         return Found(best, longest)
+
+    def older(self, entry: Entry) -> bool:
+        """Saved before the server's current start (by another server life)."""
+        return entry.created < self.backend.life_started
+
+    def restorable(self, entry: Entry) -> bool:
+        """Not set aside by the restore guard for the server's current start."""
+        life = self.backend.life
+        return self.guard.allows(life, entry.namespace, entry.key, self.older(entry))
+
+    def restorables(self, found: list[tuple[Entry, int]]) -> list[tuple[Entry, int]]:
+        return [(entry, shared) for entry, shared in found if self.restorable(entry)]
 
     async def _pick(
         self, conv: Conversation, found: list[tuple[Entry, int]]

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
+from kvproxy.cache.loras import before_restore
 from kvproxy.cache.openings import NOTHING_FOUND, Found, Openings
 from kvproxy.cache.plan import Facts, Plan, decide
 from kvproxy.cache.policy import Decision, Move, expected_resident
@@ -129,7 +130,7 @@ class Preparer:
             resident=resident,
             held_depth=len(held.chain) if held is not None else 0,
             stored=found.best[1] if found.best is not None else None,
-            restores_allowed=self.ctx.guard.allows(conv.namespace),
+            restores_allowed=found.best is None or self.openings.restorable(found.best[0]),
             worth_saving=self.work.worth_saving(slot, conv.keys),
             held_opening=False,
             stem=found.stem,
@@ -150,6 +151,7 @@ class Preparer:
     ) -> Prepared:
         assert found.best is not None
         entry, shared = found.best
+        await before_restore(self.work.client, slot, conv)
         outcome = await self.work.restore(slot, entry)
         if outcome is None:
             return MISS
@@ -167,6 +169,7 @@ class Preparer:
             outcome.ms,
             expected_n=expected,
             evaluated=evaluated,
+            restored_from=(entry.key, self.openings.older(entry)),
         )
 
     def _resident(self, slot: Slot, conv: Conversation, plan: Plan, resident: int) -> Prepared:

@@ -28,6 +28,7 @@ from aiohttp import web
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
+from kvproxy.cache.loras import before_restore, sent
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import (
     Decision,
@@ -90,7 +91,7 @@ class Prompts:
                 log.warning("could not prepare slot %d for a prompt: %s", slot.id, exc)
                 slot.forget()
                 return unreachable_response()
-            payload = with_reply_cap(conv.payload, self.reply_cap)
+            payload = with_reply_cap(sent(conv, decision), self.reply_cap)
             body = orjson.dumps({**payload, "id_slot": slot.id})
             try:
                 result = await relay(
@@ -141,6 +142,7 @@ class Prompts:
         if slot.holding is None:
             resident = 0  # erased for another tenant
         if stored is not None:
+            await before_restore(self.work.client, slot, conv)
             outcome = await self.work.restore(slot, stored)
             if outcome is not None:
                 return Decision.RESTORED, outcome.n_restored
@@ -148,10 +150,12 @@ class Prompts:
 
     async def _stored(self, conv: Conversation, resident: int, near_end: float) -> Entry | None:
         """The stored state the server will reuse more of than the slot serves, if any."""
-        if not self.backend.disk_enabled or not self.guard.allows(conv.namespace):
+        if not self.backend.disk_enabled:
             return None
         await self.work.saves_done(conv.keys)
-        found = await self.store.candidates_async(conv.keys, conv.namespace)
+        found = self.openings.restorables(
+            await self.store.candidates_async(conv.keys, conv.namespace)
+        )
         views = [StoredView(len(e.chain) or 1, shared, e.n_tokens) for e, shared in found]
         rule = self.openings.rule()
         i = pick_stored(rule, len(conv.keys), views)

@@ -59,7 +59,7 @@ class Unkeyed:
         conv = read_prompt(
             request.path,
             payload,
-            self.backend.model_identity,
+            self.backend.identity,
             self.tenant_of(request.headers),
         )
         # Either way it goes out written from the parse: the raw copy is not held while it
@@ -67,6 +67,7 @@ class Unkeyed:
         del body
         jsonbody.let_go(request)
         if isinstance(conv, Conversation):
+            self.backend.loras.note(conv)
             return await self.prompts.serve(request, path_qs, conv)
         return await self.forward_pinned(request, path_qs, payload)
 

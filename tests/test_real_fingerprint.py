@@ -1,0 +1,228 @@
+"""A state is restored only into a server that would compute it, against a real llama-server.
+
+Every case compares a turn served through kvproxy with what the server computes for the same
+request from scratch (`cache_prompt: false`): the first reply token's distribution (its five
+most likely tokens and their log-probabilities, within the probe's tolerance; a grammar keeps
+the reply printable so the server reports them). A turn kvproxy restored from a state some
+other weights, adapter scales or settings computed would not match; a miss does.
+
+The models are tiny random-weight GGUFs (tests/ggufmodels.py): the dense llama, a variant of
+it of the same size (other weights), and a LoRA adapter for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvproxy.server import localproc
+from kvproxy.server.managed import find_server_binary, free_port, server_flags
+from kvproxy.server.probe import Behaviour
+
+from .conftest import RealServer, committed, run_server_command, start_proxy, start_real_server
+from .ggufmodels import write_dense_llama, write_lora
+
+pytestmark = pytest.mark.real
+
+GRAMMAR = "root ::= [a-z ]+"
+ADAPTER_OFF = {"lora": [{"id": 0, "scale": 0.0}]}
+SLOTS, CTX = 2, 2048
+
+
+@dataclass
+class Answer:
+    top: Behaviour
+    decision: str
+    reply: dict[str, Any]
+
+
+def conversation(n: int) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": f"You answer question {n} of the quiz. " + "word " * 120},
+        {"role": "user", "content": f"What is the answer to question {n}?"},
+    ]
+
+
+def then(messages: list[dict[str, Any]], answer: Answer) -> list[dict[str, Any]]:
+    reply = answer.reply["choices"][0]["message"]["content"]
+    return [
+        *messages,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And the next one?"},
+    ]
+
+
+async def ask(url: str, messages: list[dict[str, Any]], **extra: Any) -> Answer:
+    body = {
+        "messages": messages,
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "grammar": GRAMMAR,
+        **extra,
+    }
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        reply = await r.json()
+        decision = r.headers.get("X-KVProxy-Cache", "")
+    first = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    top = Behaviour(tuple((t["id"], t["logprob"]) for t in first))
+    return Answer(top, decision, reply)
+
+
+async def alone(server_url: str, messages: list[dict[str, Any]], **extra: Any) -> Behaviour:
+    """What the server computes for the request from scratch."""
+    return (await ask(server_url, messages, cache_prompt=False, **extra)).top
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fingerprint-models")
+    return {
+        "base": write_dense_llama(root / "base.gguf"),
+        "variant": write_dense_llama(root / "variant.gguf", seed=7),
+        "lora": write_lora(root / "adapter.gguf"),
+    }
+
+
+@pytest.fixture
+def unseen_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvproxy cannot see the server's process (a server on another host, in a container):
+    only what the server reports, and the behavioural probe, tell its settings."""
+    monkeypatch.setattr(localproc, "find", lambda url: None)
+
+
+def serve(cache: Path, model: Path, *flags: str) -> RealServer:
+    return start_real_server(cache, model, SLOTS, CTX, ("--cache-ram", "0", *flags))
+
+
+# --- 1. a request's own adapter scales
+
+
+async def test_a_request_with_other_adapter_scales_never_gets_the_others_state(
+    models: dict[str, Path], cache_dir: Path
+) -> None:
+    """Server started with an adapter (`--lora`, scale 1 for a request naming none); some
+    requests turn it off: `"lora": [{"id": 0, "scale": 0}]`."""
+    server = serve(cache_dir, models["base"], "--lora", str(models["lora"]))
+    proxy = await start_proxy(server.url, cache_dir)
+    try:
+        # The next turn on the same slot, with the adapter: not the slot's state.
+        first = await ask(proxy.url, conversation(1), **ADAPTER_OFF)
+        adapted_next = then(conversation(1), first)
+        resident_adapted = await ask(proxy.url, adapted_next)
+        # A conversation without the adapter, saved and evicted by two others.
+        second = await ask(proxy.url, conversation(2), **ADAPTER_OFF)
+        for n in (3, 4):
+            await ask(proxy.url, conversation(n))
+        second_next = then(conversation(2), second)
+        restored_adapted = await ask(proxy.url, second_next)
+        # Without the adapter, its own state comes back from disk.
+        restored_plain = await ask(proxy.url, second_next, **ADAPTER_OFF)
+    finally:
+        await proxy.stop()
+    try:
+        assert resident_adapted.decision == "miss"
+        assert restored_adapted.decision == "miss"
+        assert restored_plain.decision == "restored"
+        assert resident_adapted.top.matches(await alone(server.url, adapted_next))
+        assert restored_adapted.top.matches(await alone(server.url, second_next))
+        plain = await alone(server.url, second_next, **ADAPTER_OFF)
+        assert restored_plain.top.matches(plain)
+        assert not plain.matches(restored_adapted.top), "the adapter changes the answer"
+    finally:
+        server.stop()
+
+
+# --- 2. router presets of one GGUF file
+
+
+async def test_router_presets_of_one_file_never_share_their_states(
+    models: dict[str, Path], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--models-preset`: "plain" is the file as it is, "tuned" the same file with an adapter,
+    "rebased" with another rope base. A chat UI's model picker moves a conversation between
+    them: each continues from scratch, as the router alone would serve it."""
+    monkeypatch.setenv("LLAMA_CACHE", str(cache_dir.parent / "hf-cache"))  # no other models
+    preset = cache_dir.parent / "presets.ini"
+    base, lora = models["base"], models["lora"]
+    preset.write_text(
+        f"[plain]\nmodel = {base}\n\n"
+        f"[tuned]\nmodel = {base}\nlora = {lora}\n\n"
+        f"[rebased]\nmodel = {base}\nrope-freq-base = 20000\n"
+    )
+    port = free_port()
+    command = [str(find_server_binary(None)), "--models-preset", str(preset)]
+    command += [*server_flags(port, cache_dir, SLOTS, CTX, None), "--cache-ram", "0"]
+    log_path = cache_dir.parent / f"llama-server-{port}.log"
+    managed = run_server_command(command, port, log_path)
+    router = RealServer(managed.url, cache_dir, base, managed, log_path)
+    proxy = await start_proxy(router.url, cache_dir, write_through=True)
+    try:
+        first = await ask(proxy.url, conversation(1), model="plain")
+        moved = then(conversation(1), first)
+        answers = {name: await ask(proxy.url, moved, model=name) for name in ("tuned", "rebased")}
+        back = await ask(proxy.url, moved, model="plain")
+    finally:
+        await proxy.stop()
+    try:
+        assert back.decision in ("resident", "restored")  # its own state still serves it
+        for name, answer in answers.items():
+            assert answer.decision == "miss", name
+            assert answer.top.matches(await alone(router.url, moved, model=name)), name
+    finally:
+        router.stop()
+
+
+# --- 3. a restart with other settings
+
+
+CHANGES: dict[str, tuple[str, ...]] = {
+    "adapter added": ("--lora", "{lora}"),
+    "rope base": ("--rope-freq-base", "20000"),
+    "rope scaling": ("--rope-scaling", "linear", "--rope-scale", "2"),
+    "metadata override": ("--override-kv", "llama.rope.freq_base=float:20000"),
+}
+
+
+@pytest.mark.parametrize("seen", ["command line", "probe only"])
+@pytest.mark.parametrize("change", list(CHANGES))
+async def test_a_restart_with_other_settings_restores_no_old_state(
+    models: dict[str, Path], cache_dir: Path, change: str, seen: str, request: pytest.FixtureRequest
+) -> None:
+    """kvproxy and the server restart, the server with another setting that changes the KV it
+    computes. Read from its command line, or (a server kvproxy cannot see) from its answers
+    and the behavioural probe: the old conversation misses, and new ones are cached."""
+    if seen == "probe only":
+        request.getfixturevalue("unseen_flags")
+    flags = tuple(f.format(lora=models["lora"]) for f in CHANGES[change])
+    server = serve(cache_dir, models["base"])
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    try:
+        first = await ask(proxy.url, conversation(1))
+    finally:
+        await proxy.stop()
+        server.stop()
+    assert len(committed(cache_dir)) == 1
+    server = serve(cache_dir, models["base"], *flags)
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    try:
+        next_turn = then(conversation(1), first)
+        continued = await ask(proxy.url, next_turn)
+        fresh = await ask(proxy.url, conversation(2))
+        for n in (3, 4):  # both slots taken: conversation 2 comes back from disk
+            await ask(proxy.url, conversation(n))
+        fresh_next = await ask(proxy.url, then(conversation(2), fresh))
+    finally:
+        await proxy.stop()
+    try:
+        assert continued.decision == "miss"
+        assert continued.top.matches(await alone(server.url, next_turn))
+        assert fresh_next.decision == "restored"
+    finally:
+        server.stop()
