@@ -33,6 +33,8 @@ log = logging.getLogger("kvproxy.cache")
 # request, never a wrong answer (the server compares tokens); checking costs a round trip on
 # every request. Slot actions always check first.
 SNAPSHOT_TRUST = 1.0
+# Entries tried for one request when the server refuses them (another KV layout saved them).
+RESTORE_TRIES = 3
 
 
 class Preparer:
@@ -149,11 +151,19 @@ class Preparer:
     async def _restore(
         self, slot: Slot, conv: Conversation, found: Found, verified: bool
     ) -> Prepared:
-        assert found.best is not None
-        entry, shared = found.best
-        await before_restore(self.work.client, slot, conv)
-        outcome = await self.work.restore(slot, entry)
-        if outcome is None:
+        for _ in range(RESTORE_TRIES):
+            assert found.best is not None
+            entry, shared = found.best
+            await before_restore(self.work.client, slot, conv)
+            outcome = await self.work.restore(slot, entry)
+            if outcome is not None:
+                break
+            # Refused (kept for the layout that saved it: refused.py) or dropped: the slot
+            # is empty now, and the next best entry may be one this server takes.
+            found = await self.openings.find(conv)
+            if found.best is None or found.stem:
+                return MISS
+        else:
             return MISS
         if not self.ctx.habits.echo.known(conv.namespace):
             self.ctx.background.spawn(self.learner.from_disk(entry, shared, conv))
