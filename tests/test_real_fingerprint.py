@@ -12,6 +12,11 @@ it of the same size (other weights), and a LoRA adapter for it.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,8 +102,8 @@ def unseen_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(localproc, "find", lambda url: None)
 
 
-def serve(cache: Path, model: Path, *flags: str) -> RealServer:
-    return start_real_server(cache, model, SLOTS, CTX, ("--cache-ram", "0", *flags))
+def serve(cache: Path, model: Path, *flags: str, port: int | None = None) -> RealServer:
+    return start_real_server(cache, model, SLOTS, CTX, ("--cache-ram", "0", *flags), port)
 
 
 # --- 1. a request's own adapter scales
@@ -226,3 +231,180 @@ async def test_a_restart_with_other_settings_restores_no_old_state(
         assert fresh_next.decision == "restored"
     finally:
         server.stop()
+
+
+# --- 4. the model file replaced while the server runs
+
+
+@pytest.mark.parametrize("same_time", [True, False], ids=["same size and time", "newer"])
+async def test_a_model_replaced_under_a_running_server_files_nothing_under_the_new_one(
+    models: dict[str, Path], cache_dir: Path, tmp_path: Path, same_time: bool
+) -> None:
+    """An update or re-download replaces the model file while the server runs (it still
+    computes with the weights it loaded), and the server is restarted later, on its own:
+    no conversation saved before or meanwhile is restored into the new weights."""
+    model = tmp_path / "model.gguf"
+    shutil.copy(models["base"], model)
+    server = serve(cache_dir, model)
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    backend = proxy.cache.lanes[0].backend
+    try:
+        first = await ask(proxy.url, conversation(1))
+        was = model.stat()
+        shutil.copy(models["variant"], tmp_path / "download.part")
+        os.replace(tmp_path / "download.part", model)
+        if same_time:
+            os.utime(model, ns=(was.st_atime_ns, was.st_mtime_ns))
+        await backend.discover()  # kvproxy's look at the server, every 15 s
+        second = await ask(proxy.url, conversation(2))  # the old weights answer
+        server.stop()
+        server = serve(cache_dir, model, port=int(server.url.rsplit(":", 1)[1]))
+        await backend.discover()  # the next look finds the server started again
+        turns = [then(conversation(1), first), then(conversation(2), second)]
+        continued = [await ask(proxy.url, turn) for turn in turns]
+        fresh = await ask(proxy.url, conversation(3))
+        for n in (4, 5):
+            await ask(proxy.url, conversation(n))
+        fresh_next = await ask(proxy.url, then(conversation(3), fresh))
+    finally:
+        await proxy.stop()
+    try:
+        for turn, answer in zip(turns, continued, strict=True):
+            assert answer.decision == "miss"
+            assert answer.top.matches(await alone(server.url, turn))
+        assert fresh_next.decision == "restored", "the new weights' states are cached"
+    finally:
+        server.stop()
+
+
+# --- 5. a relative model path
+
+
+async def test_a_relative_model_path_is_read_in_the_servers_directory(
+    models: dict[str, Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """`llama-server -m model.gguf` started in its own directory: kvproxy, started elsewhere,
+    reads that file's content. Replaced by another of the same size and time between two
+    runs, the old conversation misses."""
+    where = tmp_path / "models"
+    where.mkdir()
+    shutil.copy(models["base"], where / "model.gguf")
+    was = (where / "model.gguf").stat()
+    server = serve_in(where, cache_dir)
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    try:
+        first = await ask(proxy.url, conversation(1))
+    finally:
+        await proxy.stop()
+        server.stop()
+    shutil.copy(models["variant"], where / "model.gguf")
+    os.utime(where / "model.gguf", ns=(was.st_atime_ns, was.st_mtime_ns))
+    server = serve_in(where, cache_dir)
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    try:
+        next_turn = then(conversation(1), first)
+        continued = await ask(proxy.url, next_turn)
+    finally:
+        await proxy.stop()
+    try:
+        assert continued.decision == "miss"
+        assert continued.top.matches(await alone(server.url, next_turn))
+    finally:
+        server.stop()
+
+
+@dataclass
+class Started:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def serve_in(directory: Path, cache: Path) -> Started:
+    """llama-server started in `directory` with `-m model.gguf`."""
+    port = free_port()
+    command = [str(find_server_binary(None)), "-m", "model.gguf"]
+    command += [*server_flags(port, cache, SLOTS, CTX, None), "--cache-ram", "0"]
+    log = open(cache.parent / f"llama-server-{port}.log", "ab")
+    proc = subprocess.Popen(command, cwd=directory, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return Started(url, proc)
+        except OSError:
+            assert proc.poll() is None, "llama-server ended"
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("llama-server did not come up")
+
+
+# --- 6. a state the server refuses for its layout
+
+
+async def test_switching_layouts_back_and_forth_keeps_both_layouts_states(
+    models: dict[str, Path], cache_dir: Path, unseen_flags: None
+) -> None:
+    """Flash attention lays the V cache out another way: a server with it off refuses (400) a
+    state saved with it on. Where kvproxy cannot see the flag (nor the probe tell, as the
+    numbers barely move), it tries the restore; the refused state is kept for the layout that
+    saved it, and restored once the server runs that way again."""
+    states: list[Answer] = []
+    for fa in ("on", "off", "on"):
+        server = serve(cache_dir, models["base"], "--flash-attn", fa)
+        proxy = await start_proxy(server.url, cache_dir, write_through=True)
+        try:
+            if not states:
+                states.append(await ask(proxy.url, conversation(1)))
+            else:
+                states.append(await ask(proxy.url, then(conversation(1), states[0])))
+        finally:
+            await proxy.stop()
+            server.stop()
+        if fa == "off":
+            # The refused state and the one this layout saved meanwhile are both on disk.
+            assert len(committed(cache_dir)) == 2
+    assert [a.decision for a in states] == ["miss", "miss", "restored"]
+
+
+# --- 7. a chat template change
+
+
+async def test_a_chat_template_change_makes_old_states_misses(
+    models: dict[str, Path], cache_dir: Path, unseen_flags: None
+) -> None:
+    """The server restarted with another chat template (`--chat-template-file`): its prompts
+    render otherwise, so an old state would be restored for nothing. GET /props shows the
+    template: old conversations miss, new ones are cached."""
+    template = cache_dir.parent / "template.jinja"
+    template.write_text(
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + ': ' + m['content'] + "
+        "'<|im_end|>' -}}{%- endfor -%}{%- if add_generation_prompt -%}"
+        "{{- '<|im_start|>assistant: ' -}}{%- endif -%}"
+    )
+    server = serve(cache_dir, models["base"])
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    try:
+        first = await ask(proxy.url, conversation(1))
+    finally:
+        await proxy.stop()
+        server.stop()
+    server = serve(cache_dir, models["base"], "--chat-template-file", str(template))
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    try:
+        continued = await ask(proxy.url, then(conversation(1), first))
+        fresh = await ask(proxy.url, conversation(2))
+        for n in (3, 4):
+            await ask(proxy.url, conversation(n))
+        fresh_next = await ask(proxy.url, then(conversation(2), fresh))
+    finally:
+        await proxy.stop()
+        server.stop()
+    assert continued.decision == "miss"
+    assert fresh_next.decision == "restored"
