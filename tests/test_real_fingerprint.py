@@ -12,6 +12,7 @@ it of the same size (other weights), and a LoRA adapter for it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvproxy.cache.prepare import SNAPSHOT_TRUST
 from kvproxy.server import localproc
 from kvproxy.server.managed import find_server_binary, free_port, server_flags
 from kvproxy.server.probe import Behaviour
@@ -273,6 +275,48 @@ async def test_a_model_replaced_under_a_running_server_files_nothing_under_the_n
             assert answer.decision == "miss"
             assert answer.top.matches(await alone(server.url, turn))
         assert fresh_next.decision == "restored", "the new weights' states are cached"
+    finally:
+        server.stop()
+
+
+async def test_a_server_restarted_unseen_with_other_weights_restores_no_old_state(
+    models: dict[str, Path], cache_dir: Path, tmp_path: Path, unseen_flags: None
+) -> None:
+    """A server kvproxy cannot see (another host) restarted with other weights at the same
+    path between two of kvproxy's looks: its slots show it (an older task than kvproxy's
+    last one), and nothing is restored until its fingerprint is read again."""
+    model = tmp_path / "model.gguf"
+    shutil.copy(models["base"], model)
+    server = serve(cache_dir, model)
+    proxy = await start_proxy(server.url, cache_dir, write_through=True)
+    try:
+        first = await ask(proxy.url, conversation(1))
+        for n in (5, 6):  # both slots taken: conversation 1 is on disk only
+            await ask(proxy.url, conversation(n))
+        was = model.stat()
+        shutil.copy(models["variant"], model)
+        os.utime(model, ns=(was.st_atime_ns, was.st_mtime_ns))
+        server.stop()
+        server = serve(cache_dir, model, port=int(server.url.rsplit(":", 1)[1]))
+        # A real model takes longer to load than kvproxy trusts a slot it has not looked at.
+        await asyncio.sleep(SNAPSHOT_TRUST)
+        next_turn = then(conversation(1), first)
+        continued = await ask(proxy.url, next_turn)
+        backend = proxy.cache.lanes[0].backend
+        for _ in range(600):  # kvproxy reads the server's fingerprint again (at once)
+            if backend.doubt is None:
+                break
+            await asyncio.sleep(0.05)
+        fresh = await ask(proxy.url, conversation(2))
+        for n in (3, 4):
+            await ask(proxy.url, conversation(n))
+        fresh_next = await ask(proxy.url, then(conversation(2), fresh))
+    finally:
+        await proxy.stop()
+    try:
+        assert continued.decision == "miss"
+        assert continued.top.matches(await alone(server.url, next_turn))
+        assert fresh_next.decision == "restored"
     finally:
         server.stop()
 

@@ -20,9 +20,9 @@ from kvproxy.cache.slots import QueueFull, SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import Upstream, UpstreamError
-from kvproxy.server import probe
+from kvproxy.server import localproc, probe
 from kvproxy.server.api import LlamaClient, ModelRoute
-from kvproxy.server.fingerprint import Fingerprint, Fingerprinter
+from kvproxy.server.fingerprint import Fingerprint, Fingerprinter, managed_args
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
 from kvproxy.server.router import is_router, list_models
 
@@ -97,7 +97,7 @@ class Backend:
             upstream.base_url,
             settings.cache_dir,
             self._router_args if model is not None else None,
-            _managed_args(settings) if model is None else None,
+            managed_args(settings) if model is None else None,
         )
         self.fingerprint: Fingerprint | None = None
         self.identity = keys.Identity("")  # what requests are keyed under
@@ -178,6 +178,22 @@ class Backend:
         self.down = UpstreamError(reason)
         self.enabled = False
         self._lost = True
+
+    async def restarted_unseen(self, why: str) -> None:
+        """The server may have started again between two looks (a slot says so): what it
+        computes with is read again at once, saves and restores waiting for it. Not when its
+        process is known and still the same (it woke from sleep, which empties its slots)."""
+        fp = self.fingerprint
+        if fp is not None and fp.process is not None:
+            if await asyncio.to_thread(localproc.same_process, fp.process):
+                return
+        if self.doubt is None:
+            log.warning(
+                "llama-server %s started again (%s): reading its fingerprint", self.name, why
+            )
+        self.doubt = why
+        self._lost = True
+        self._last_props_check = 0.0  # housekeeping's next tick looks
 
     def model_gone(self, why: str) -> None:
         """The router unloaded this model, or it fell asleep: its KV went with it. What the
@@ -275,6 +291,7 @@ class Backend:
         self.pool.resize(n_slots)
         self.pool.forget_all()
         self._refusals.clear()
+        self.loras.clear()  # what requests on their way were read under is not this start's
         fp = await self.fingerprinter.read(props, self._probe)
         if fp.text != self.model_identity:
             self.model_info = await asyncio.to_thread(
@@ -380,10 +397,3 @@ class Backend:
         probe = SLOT_PICKING_ROUTES.get(path)
         if probe is not None:
             self._refusals[probe] = (False, time.monotonic())
-
-
-def _managed_args(settings: Settings) -> list[str] | None:
-    """The flags managed mode starts its server with, where its process cannot be read."""
-    if not settings.model:
-        return None
-    return list(settings.server_args)

@@ -1,5 +1,6 @@
-"""The LoRA adapter scales each namespace's states are computed with, for kvproxy's own
-evaluations on a slot (a canonical prefix before a save, an opening, a stem).
+"""The namespaces read under the server's current fingerprint, and the LoRA adapter scales
+each one's states are computed with, for kvproxy's own evaluations on a slot (a canonical
+prefix before a save, an opening, a stem).
 
 A request's adapter scales are part of its namespace (keys.Identity): every token of a slot
 holding that namespace's conversation was computed with them. kvproxy's own evaluation of
@@ -7,6 +8,11 @@ more tokens on such a slot must use the same scales, named in full (a request na
 gets the server's, and the server would reuse the slot's cache computed with others). A
 namespace not seen recently is not known here: its evaluation is then not done (the slot is
 saved as it is, or no opening is made), never done with other scales.
+
+When the server is seen to start again the namespaces are forgotten (`clear`): a request read
+under the fingerprint before, still on its way, has its state neither saved (it was computed
+by the server as it is now, and would be filed under what it was) nor restored from
+(`current`).
 """
 
 from __future__ import annotations
@@ -30,21 +36,25 @@ class NamespaceLoras:
         self._scales: OrderedDict[str, tuple[float, ...]] = OrderedDict()
 
     def note(self, conv: Conversation) -> None:
-        """A request of `conv.namespace` came with these scales."""
-        if not conv.lora:
-            return
+        """A request of `conv.namespace` was read, with these scales."""
         self._scales[conv.namespace] = conv.lora
         self._scales.move_to_end(conv.namespace)
         while len(self._scales) > MAX_NAMESPACES:
             self._scales.popitem(last=False)
 
+    def current(self, namespace: str) -> bool:
+        """Read under the server's current fingerprint (and recently)."""
+        return namespace in self._scales
+
     def body(self, namespace: str, adapters: int) -> tuple[bool, list[dict[str, Any]] | None]:
         """(known, the `lora` list to send) for an evaluation of `namespace` on a server with
         `adapters` adapters; with none, nothing is needed."""
+        scales = self._scales.get(namespace)
+        if scales is None:
+            return False, None
         if adapters == 0:
             return True, None
-        scales = self._scales.get(namespace)
-        if scales is None or len(scales) != adapters:
+        if len(scales) != adapters:
             return False, None
         return True, keys.lora_body(scales)
 

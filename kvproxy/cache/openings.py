@@ -119,6 +119,8 @@ class Openings:
     async def find(self, conv: Conversation) -> Found:
         """The stored entries for the request, in one index query (and a second only when
         the entry found expired since housekeeping last applied the TTL)."""
+        if not self.backend.loras.current(conv.namespace):
+            return NOTHING_FOUND  # read before the server was seen to start again
         await self.work.saves_done(conv.keys)
         found = self.restorables(await self.store.candidates_async(conv.keys, conv.namespace))
         best = await self._pick(conv, found)

@@ -150,7 +150,7 @@ class Prompts:
 
     async def _stored(self, conv: Conversation, resident: int, near_end: float) -> Entry | None:
         """The stored state the server will reuse more of than the slot serves, if any."""
-        if not self.backend.disk_enabled:
+        if not self.backend.disk_enabled or not self.backend.loras.current(conv.namespace):
             return None
         await self.work.saves_done(conv.keys)
         found = self.openings.restorables(

@@ -60,8 +60,12 @@ class SlotWork:
         return worth_saving(
             held,
             disk_enabled=self.backend.disk_enabled,
+            # Read under the server's current fingerprint (loras.py), and ever reused.
             restores_allowed=held is None
-            or self.guard.allows_saves(self.backend.life, held.namespace),
+            or (
+                self.backend.loras.current(held.namespace)
+                and self.guard.allows_saves(self.backend.life, held.namespace)
+            ),
             min_tokens=self.settings.min_tokens,
             incoming=incoming,
         )
@@ -90,6 +94,8 @@ class SlotWork:
                 slot.holding.key[:12],
             )
             self.events.count(Count.SLOT_RESET)
+            if slot.shows_restart(info):
+                await self.backend.restarted_unseen(f"slot {slot.id} shows an older task")
             slot.forget()
         slot.observe(info, count_tokens=pending)
 

@@ -157,6 +157,12 @@ class Slot:
             return False
         return last_task is None or info.id_task != last_task
 
+    def shows_restart(self, info: SlotInfo) -> bool:
+        """An older task than our last one (task ids only grow while a server runs), or none:
+        the server started again since."""
+        last, now = self.snapshot[0] if self.snapshot else None, info.id_task
+        return isinstance(last, int) and (now is None or (isinstance(now, int) and now < last))
+
     def observe(self, info: SlotInfo, count_tokens: bool = False) -> None:
         """What GET /slots shows now is what our own last use left: later differences mean
         someone else used or wiped the slot. `count_tokens`: the holding's size is what the

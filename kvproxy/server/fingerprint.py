@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from kvproxy.config import Settings
 from kvproxy.http.session import UpstreamError
 from kvproxy.server import kvflags, localproc, probe
 from kvproxy.server.api import LlamaClient
@@ -272,3 +273,8 @@ def _digest(value: Any) -> str:
     if not isinstance(value, str) or not value:
         return ""
     return xxhash.xxh3_64_hexdigest(value.encode("utf-8", "surrogateescape"))
+
+
+def managed_args(settings: Settings) -> list[str] | None:
+    """The flags managed mode starts its one server with (None: not managed mode)."""
+    return list(settings.server_args) if settings.model else None
