@@ -230,7 +230,7 @@ async def test_a_restart_with_other_settings_restores_no_old_state(
     try:
         assert continued.decision == "miss"
         assert continued.top.matches(await alone(server.url, next_turn))
-        assert fresh_next.decision == "restored"
+        assert fresh_next.decision in ("resident", "restored")
     finally:
         server.stop()
 
@@ -274,7 +274,7 @@ async def test_a_model_replaced_under_a_running_server_files_nothing_under_the_n
         for turn, answer in zip(turns, continued, strict=True):
             assert answer.decision == "miss"
             assert answer.top.matches(await alone(server.url, turn))
-        assert fresh_next.decision == "restored", "the new weights' states are cached"
+        assert fresh_next.decision in ("resident", "restored"), "the new weights' states are cached"
     finally:
         server.stop()
 
@@ -316,7 +316,7 @@ async def test_a_server_restarted_unseen_with_other_weights_restores_no_old_stat
     try:
         assert continued.decision == "miss"
         assert continued.top.matches(await alone(server.url, next_turn))
-        assert fresh_next.decision == "restored"
+        assert fresh_next.decision in ("resident", "restored")
     finally:
         server.stop()
 
@@ -451,4 +451,4 @@ async def test_a_chat_template_change_makes_old_states_misses(
         await proxy.stop()
         server.stop()
     assert continued.decision == "miss"
-    assert fresh_next.decision == "restored"
+    assert fresh_next.decision in ("resident", "restored")

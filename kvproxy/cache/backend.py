@@ -160,16 +160,12 @@ class Backend:
         return self.name if self.several else None
 
     @property
-    def swa_full(self) -> bool | None:
-        """Whether the server runs with --swa-full (None: its flags are not known)."""
-        fp = self.fingerprint
-        return None if fp is None or not fp.flags_known else fp.has_flag("--swa-full")
-
-    @property
     def model_class(self) -> str:
         return self.model_info.model_class if self.model_info else "unknown"
 
     def props_check_due(self) -> bool:
+        if self.fingerprint is not None and not self.fingerprint.probed:
+            return True  # its behavioural probe failed: read it again at once
         return time.monotonic() - self._last_props_check > self.check_interval
 
     def unreachable(self, reason: str) -> None:
@@ -180,19 +176,15 @@ class Backend:
         self._lost = True
 
     async def restarted_unseen(self, why: str) -> None:
-        """The server may have started again between two looks (a slot says so): what it
-        computes with is read again at once, saves and restores waiting for it. Not when its
-        process is known and still the same (it woke from sleep, which empties its slots)."""
+        """The server may have started again unseen (a slot says so; not when its process is
+        the same: a wake from sleep empties slots): read again at once, disk paused till then."""
         fp = self.fingerprint
         if fp is not None and fp.process is not None:
             if await asyncio.to_thread(localproc.same_process, fp.process):
                 return
         if self.doubt is None:
-            log.warning(
-                "llama-server %s started again (%s): reading its fingerprint", self.name, why
-            )
-        self.doubt = why
-        self._lost = True
+            log.warning("llama-server %s started again (%s): reading it again", self.name, why)
+        self.doubt, self._lost = why, True
         self._last_props_check = 0.0  # housekeeping's next tick looks
 
     def model_gone(self, why: str) -> None:
@@ -246,6 +238,8 @@ class Backend:
             return
         known = self.fingerprint
         same = known is not None and not lost and await self.fingerprinter.same_server(known, props)
+        retry = same and known is not None and not known.probed  # its probe failed: again
+        same = same and not retry
         if (
             not wake
             and self.enabled
@@ -268,7 +262,7 @@ class Backend:
             self.fingerprint = None
             return
         if not same or len(slots) != len(self.pool.slots):
-            await self._started(props, len(slots))
+            await self._started(props, len(slots), forget=not retry)
         self.pool.seen_empty(slots)
         if not self.enabled:
             info = self.model_info
@@ -282,18 +276,23 @@ class Backend:
         self.enabled = True
         self._last_props_check = time.monotonic()
 
-    async def _started(self, props: dict[str, Any], n_slots: int) -> None:
-        """A server seen for the first time, changed, or started again: nothing its slots
-        held is known, and what it computes with is read again (its fingerprint, with the
-        probe run on one of its slots)."""
-        if self.model_identity:
+    async def _started(self, props: dict[str, Any], n_slots: int, forget: bool = True) -> None:
+        """A server seen for the first time, changed, or started again: what its slots held
+        is forgotten, what it computes with read again (saves and restores wait for it)."""
+        if self.model_identity and forget:
             log.info("llama-server changed or started again: forgetting what slots held")
-        self.pool.resize(n_slots)
-        self.pool.forget_all()
-        self._refusals.clear()
-        self.loras.clear()  # what requests on their way were read under is not this start's
-        fp = await self.fingerprinter.read(props, self._probe)
+        if forget or len(self.pool.slots) != n_slots:
+            self.pool.resize(n_slots)
+            self.pool.forget_all(started=True)
+            self._refusals.clear()
+        paused, self.doubt = self.doubt, "reading llama-server's fingerprint"
+        try:
+            fp = await self.fingerprinter.read(props, self._probe)
+        except BaseException:
+            self.doubt, self.fingerprint = paused, None  # the next look reads it again
+            raise
         if fp.text != self.model_identity:
+            self.loras.clear()  # requests on their way were read under what it was
             self.model_info = await asyncio.to_thread(
                 read_model_info, fp.text.split("|", 1)[0] or str(props.get("model_path") or "")
             )
@@ -303,15 +302,16 @@ class Backend:
         self._lives += 1
         self.life = f"{self.name}#{self._lives}"
         self.life_started = time.time()
-        if self.doubt is not None:
+        if not fp.probed:  # read again at the next look (props_check_due), at once
+            self.doubt = "its behavioural probe did not run"
+            return
+        if paused is not None:
             log.info("llama-server started again: saves and restores resume")
         self.doubt = None
 
     async def _watch_files(self, known: Fingerprint) -> None:
-        """A file the running server loaded changed on disk: it still computes with what it
-        read, and will compute with the new content once it starts again, which kvproxy may
-        not see happen (a restart between two looks). Saves and restores pause until it is
-        seen to start again."""
+        """A file the running server loaded changed on disk: it computes with the new content
+        once it starts again, which kvproxy may not see. Saves and restores pause till then."""
         if self.doubt is not None:
             return
         changed = await self.fingerprinter.changed_files(known)
@@ -328,9 +328,8 @@ class Backend:
         """The behavioural probe, on a slot taken from the pool and then forgotten."""
         try:
             slot, _ = await self.pool.acquire()
-        except QueueFull:
-            log.warning("no idle slot on %s for the behavioural probe", self.name)
-            return None
+        except QueueFull as exc:
+            raise UpstreamError(f"no idle slot: {exc}") from exc
         try:
             return await probe.behaviour(self.client, slot.id)
         finally:

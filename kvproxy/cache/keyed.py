@@ -279,6 +279,7 @@ class Conversations:
         if prepared.restored_from is None:
             return
         key, older = prepared.restored_from
+        swa_full = self.backend.fingerprint.swa_full if self.backend.fingerprint else None
         if self.guard.record(self.backend.life, namespace, key, older, verdict):
             log.warning(
                 "llama-server reused none of %s restored tokens (cache_n=%s), %d times in a "
@@ -286,7 +287,7 @@ class Conversations:
                 prepared.expected_n,
                 cache_n,
                 self.guard.limit,
-                wasted_hint(self.backend.model_info, self.backend.swa_full, older),
+                wasted_hint(self.backend.model_info, swa_full, older),
             )
 
     def _reply_held(

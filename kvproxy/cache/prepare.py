@@ -152,6 +152,8 @@ class Preparer:
         self, slot: Slot, conv: Conversation, found: Found, verified: bool
     ) -> Prepared:
         for _ in range(RESTORE_TRIES):
+            if not self.backend.disk_enabled:
+                return MISS  # the server was found started again: nothing restored before
             assert found.best is not None
             entry, shared = found.best
             await before_restore(self.work.client, slot, conv)

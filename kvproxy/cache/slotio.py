@@ -94,9 +94,9 @@ class SlotWork:
                 slot.holding.key[:12],
             )
             self.events.count(Count.SLOT_RESET)
-            if slot.shows_restart(info):
-                await self.backend.restarted_unseen(f"slot {slot.id} shows an older task")
             slot.forget()
+        if slot.shows_restart(info):
+            await self.backend.restarted_unseen(f"slot {slot.id} shows an older task")
         slot.observe(info, count_tokens=pending)
 
     async def snapshot(self, slot: Slot) -> None:

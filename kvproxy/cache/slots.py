@@ -85,6 +85,9 @@ class Slot:
     # Our last use ended and its GET /slots has not answered yet (see `ours_ended`): the
     # range of tokens the server should show (the prompt, up to the prompt and the reply).
     pending: tuple[int, int] | None = None
+    # The newest task GET /slots showed on it since the server started (`forget` keeps it):
+    # an older one, or none, later says the server started again (`shows_restart`).
+    last_task: int | None = None
     # "saving" or "restoring" while kvproxy's save or restore of the slot is under way.
     action: str | None = None
     # The keys of the conversation a request taking the slot is for, until it is given back.
@@ -158,16 +161,18 @@ class Slot:
         return last_task is None or info.id_task != last_task
 
     def shows_restart(self, info: SlotInfo) -> bool:
-        """An older task than our last one (task ids only grow while a server runs), or none:
-        the server started again since."""
-        last, now = self.snapshot[0] if self.snapshot else None, info.id_task
-        return isinstance(last, int) and (now is None or (isinstance(now, int) and now < last))
+        """An older task than the newest one seen there (task ids only grow while a server
+        runs), or none: the server started again since."""
+        last, now = self.last_task, info.id_task
+        return last is not None and (now is None or (isinstance(now, int) and now < last))
 
     def observe(self, info: SlotInfo, count_tokens: bool = False) -> None:
         """What GET /slots shows now is what our own last use left: later differences mean
         someone else used or wiped the slot. `count_tokens`: the holding's size is what the
         server reports (after our own request)."""
         self.snapshot = info.snapshot
+        if isinstance(info.id_task, int) and info.id_task > (self.last_task or -1):
+            self.last_task = info.id_task
         self.pending = None
         self.seen_at = time.monotonic()
         if count_tokens and self.holding is not None and info.n_prompt_tokens is not None:
@@ -243,9 +248,12 @@ class SlotPool:
             return False
         return all(o.started_at <= slot.seen_at for o in self.slots if o is not slot)
 
-    def forget_all(self) -> None:
+    def forget_all(self, started: bool = False) -> None:
+        """`started`: the server started again, its task ids from 0."""
         for slot in self.slots:
             slot.forget()
+            if started:
+                slot.last_task = None
 
     def seen_empty(self, infos: Sequence[SlotInfo]) -> None:
         """Idle slots GET /slots shows holding no tokens belong to no tenant. Only an explicit

@@ -51,6 +51,7 @@ TEMPLATE_PROBE: list[dict[str, str]] = [
 ]
 
 Prober = Callable[[], Awaitable["probe.Behaviour | None"]]
+NOT_PROBED = "not probed"
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,17 @@ class Fingerprint:
     files: tuple[tuple[Path, FileStamp | None], ...] = ()
     flags: tuple[tuple[str, str], ...] = ()  # its KV flags, where known
     flags_known: bool = False  # its command line was read (absent flags are absent)
+    # The behavioural probe ran (False: it failed this time, a router swapping models, no
+    # idle slot; the fingerprint is then read again soon, and nothing saved meanwhile).
+    probed: bool = True
 
     def has_flag(self, name: str) -> bool:
         return any(flag == name for flag, _ in self.flags)
+
+    @property
+    def swa_full(self) -> bool | None:
+        """Whether the server runs with --swa-full (None: its flags are not known)."""
+        return self.has_flag("--swa-full") if self.flags_known else None
 
 
 def props_part(props: Mapping[str, Any]) -> tuple[str, ...]:
@@ -157,6 +166,7 @@ class Fingerprinter:
             tuple(files),
             tuple(flags),
             argv is not None,
+            parts["probe"] != NOT_PROBED,
         )
 
     async def _process(self) -> ServerProcess | None:
@@ -232,14 +242,16 @@ class Fingerprinter:
 
     async def _probe(self, config: str, prober: Prober | None) -> str:
         if prober is None:
-            return "not probed"
+            return "no probe"
         try:
             seen = await prober()
         except UpstreamError as exc:
+            if exc.status in (404, 501):
+                return "no probe route"  # the server has none: the probe never runs there
             log.warning("the behavioural probe of %s failed: %s", self.url, exc)
-            return "not probed"
+            return NOT_PROBED
         if seen is None:
-            return "no probabilities"
+            return "no probabilities"  # the server does not report them
         try:
             return await asyncio.to_thread(probe.class_of, self.cache_dir, config, seen)
         except OSError as exc:
