@@ -51,6 +51,7 @@ TEMPLATE_PROBE: list[dict[str, str]] = [
 ]
 
 Prober = Callable[[], Awaitable["probe.Behaviour | None"]]
+Watched = tuple[Path, "FileStamp | None", str]  # a file read: its stamp and content digest
 NOT_PROBED = "not probed"
 
 
@@ -61,7 +62,7 @@ class Fingerprint:
     props: tuple[str, ...] = ()  # what GET /props shows of it (props_part)
     process: ServerProcess | None = None  # its process, when this machine shows it
     # Files whose content it holds (model, adapters, flags' files) as they were read.
-    files: tuple[tuple[Path, FileStamp | None], ...] = ()
+    files: tuple[Watched, ...] = ()
     flags: tuple[tuple[str, str], ...] = ()  # its KV flags, where known
     flags_known: bool = False  # its command line was read (absent flags are absent)
     # The behavioural probe ran (False: it failed this time, a router swapping models, no
@@ -111,6 +112,7 @@ class Fingerprinter:
         self.router_args = router_args
         self.managed_args = list(managed_args) if managed_args is not None else None
         self._warned: set[str] = set()
+        self._confirmed: dict[Path, FileStamp] = {}  # stamps of files touched, content kept
 
     async def same_server(self, known: Fingerprint, props: Mapping[str, Any]) -> bool:
         """Is the server the one `known` was read from (cheap: no file read, no probe)? Its
@@ -122,10 +124,20 @@ class Fingerprinter:
         return await asyncio.to_thread(localproc.same_process, known.process)
 
     async def changed_files(self, known: Fingerprint) -> list[Path]:
-        """Files the server loaded that changed on disk since (it still runs what it read)."""
+        """Files the server loaded whose content changed on disk since (it still runs what it
+        read). A file only touched (its stamp changed, its digest not) is taken as it is."""
 
         def check() -> list[Path]:
-            return [path for path, was in known.files if stamp(path) != was]
+            changed = []
+            for path, was, digest in known.files:
+                now = stamp(path)
+                if now == was or now == self._confirmed.get(path):
+                    continue
+                if kvflags.file_digest(str(path), None) != digest:
+                    changed.append(path)
+                elif now is not None:
+                    self._confirmed[path] = now
+            return changed
 
         return await asyncio.to_thread(check)
 
@@ -136,7 +148,7 @@ class Fingerprinter:
         argv, env = await self._flags_source(process)
         parts: dict[str, Any] = {"props": props_part(props)}
         model_path = str(props.get("model_path") or "")
-        files: list[tuple[Path, FileStamp | None]] = []
+        files: list[Watched] = []
         parts["weights"] = await self._file(model_path, cwd, files, "model")
         adapters = await self._adapters(cwd, files)
         parts["adapters"] = [digest for digest, _ in adapters]
@@ -146,7 +158,8 @@ class Fingerprinter:
                 if flag == "--model":
                     continue
                 for path in _flag_files(flag, value, cwd):
-                    files.append((path, await asyncio.to_thread(stamp, path)))
+                    digest = await asyncio.to_thread(kvflags.file_digest, str(path), None)
+                    files.append((path, await asyncio.to_thread(stamp, path), digest))
             flags = await asyncio.to_thread(kvflags.settings, argv, env, cwd)
             flags = [(f, v) for f, v in flags if f != "--model"]
         parts["flags"] = flags if argv is not None else None
@@ -184,9 +197,7 @@ class Fingerprinter:
             return process.argv, process.env
         return self.managed_args, {}
 
-    async def _file(
-        self, value: str, cwd: Path | None, files: list[tuple[Path, FileStamp | None]], what: str
-    ) -> str:
+    async def _file(self, value: str, cwd: Path | None, files: list[Watched], what: str) -> str:
         """The content digest of a file the server loaded (never silently nothing)."""
         if not value:
             return ""
@@ -199,8 +210,9 @@ class Fingerprinter:
                 "behavioural probe stands for it); start llama-server with an absolute path",
             )
             return f"unresolved {value}"
-        files.append((path, await asyncio.to_thread(stamp, path)))
+        was = await asyncio.to_thread(stamp, path)
         digest = await asyncio.to_thread(kvflags.file_digest, str(path), None)
+        files.append((path, was, digest))
         if digest.startswith("unreadable"):
             self._warn_once(
                 str(path),
@@ -209,9 +221,7 @@ class Fingerprinter:
             )
         return digest
 
-    async def _adapters(
-        self, cwd: Path | None, files: list[tuple[Path, FileStamp | None]]
-    ) -> list[tuple[str, float]]:
+    async def _adapters(self, cwd: Path | None, files: list[Watched]) -> list[tuple[str, float]]:
         """(content digest, default scale) of each LoRA adapter the server loaded."""
         try:
             raw = await self.client.lora_adapters()
