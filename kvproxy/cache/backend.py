@@ -8,8 +8,10 @@ knew about its slots; one that refuses GET /slots is served uncached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -24,7 +26,7 @@ from kvproxy.server import localproc, probe
 from kvproxy.server.api import LlamaClient, ModelRoute
 from kvproxy.server.fingerprint import Fingerprint, Fingerprinter, managed_args
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info
-from kvproxy.server.router import is_router, list_models
+from kvproxy.server.router import is_router
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -51,6 +53,8 @@ REFUSED_STATUSES = frozenset({404, 501})
 
 # How often a running proxy checks that the server is still the one it knows.
 PROPS_CHECK_INTERVAL = 15.0
+# How long a request waits for the fingerprint of a server seen starting (then goes uncached).
+READ_WAIT = 30.0
 # While the server refuses GET /slots (caching off), how often a request may look again.
 REDISCOVER_INTERVAL = 1.0
 
@@ -96,7 +100,7 @@ class Backend:
             self.client,
             upstream.base_url,
             settings.cache_dir,
-            self._router_args if model is not None else None,
+            model,
             managed_args(settings) if model is None else None,
         )
         self.fingerprint: Fingerprint | None = None
@@ -110,6 +114,7 @@ class Backend:
         # Why saves and restores are paused (a file the server loaded changed on disk: the
         # next start loads other content), None while they are not.
         self.doubt: str | None = None
+        self._reading: asyncio.Event | None = None  # set when a fingerprint read ends
         self._last_props_check = 0.0
         # Probe route (SLOT_PICKING_ROUTES) -> (the server refuses it, when that was seen).
         self._refusals: dict[str, tuple[bool, float]] = {}
@@ -178,10 +183,9 @@ class Backend:
     async def restarted_unseen(self, why: str) -> None:
         """The server may have started again unseen (a slot says so; not when its process is
         the same: a wake from sleep empties slots): read again at once, disk paused till then."""
-        fp = self.fingerprint
-        if fp is not None and fp.process is not None:
-            if await asyncio.to_thread(localproc.same_process, fp.process):
-                return
+        proc = self.fingerprint.process if self.fingerprint is not None else None
+        if proc is not None and await asyncio.to_thread(localproc.same_process, proc):
+            return
         if self.doubt is None:
             log.warning("llama-server %s started again (%s): reading it again", self.name, why)
         self.doubt, self._lost = why, True
@@ -202,6 +206,9 @@ class Backend:
         `wake`: the request will wake a sleeping server anyway (a health check would not)."""
         if not self.store_open:
             return
+        if self._reading is not None:  # its fingerprint is being read: the request waits
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reading.wait()), READ_WAIT)
         if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
             try:
                 await self.discover(wake=wake)
@@ -238,8 +245,7 @@ class Backend:
             return
         known = self.fingerprint
         same = known is not None and not lost and await self.fingerprinter.same_server(known, props)
-        retry = same and known is not None and not known.probed  # its probe failed: again
-        same = same and not retry
+        same = same and known is not None and known.probed  # else its probe failed: again
         if (
             not wake
             and self.enabled
@@ -262,7 +268,7 @@ class Backend:
             self.fingerprint = None
             return
         if not same or len(slots) != len(self.pool.slots):
-            await self._started(props, len(slots), forget=not retry)
+            await self._started(props, len(slots))
         self.pool.seen_empty(slots)
         if not self.enabled:
             info = self.model_info
@@ -276,22 +282,29 @@ class Backend:
         self.enabled = True
         self._last_props_check = time.monotonic()
 
-    async def _started(self, props: dict[str, Any], n_slots: int, forget: bool = True) -> None:
-        """A server seen for the first time, changed, or started again: what its slots held
-        is forgotten, what it computes with read again (saves and restores wait for it)."""
-        if self.model_identity and forget:
-            log.info("llama-server changed or started again: forgetting what slots held")
-        if forget or len(self.pool.slots) != n_slots:
-            self.pool.resize(n_slots)
-            self.pool.forget_all(started=True)
-            self._refusals.clear()
+    async def _started(self, props: dict[str, Any], n_slots: int) -> None:
+        """A server seen for the first time, changed, or started again: what it computes
+        with is read again (saves and restores wait for it); what its slots held is
+        forgotten if that changed (else its slots are checked before they are trusted)."""
+        self.pool.resize(n_slots)
+        self.pool.started_again()
         paused, self.doubt = self.doubt, "reading llama-server's fingerprint"
+        self._reading = reading = asyncio.Event()
         try:
             fp = await self.fingerprinter.read(props, self._probe)
         except BaseException:
             self.doubt, self.fingerprint = paused, None  # the next look reads it again
             raise
+        finally:
+            self._reading = None
+            reading.set()
+        known = self.fingerprint
+        if not fp.probed and known is not None and known.config == fp.config:
+            fp = replace(fp, text=known.text)  # keyed as before till the probe tells (no disk)
         if fp.text != self.model_identity:
+            log.info("llama-server %s computes with %s", self.name, fp.text)
+            self.pool.forget_all()
+            self._refusals.clear()
             self.loras.clear()  # requests on their way were read under what it was
             self.model_info = await asyncio.to_thread(
                 read_model_info, fp.text.split("|", 1)[0] or str(props.get("model_path") or "")
@@ -312,17 +325,11 @@ class Backend:
     async def _watch_files(self, known: Fingerprint) -> None:
         """A file the running server loaded changed on disk: it computes with the new content
         once it starts again, which kvproxy may not see. Saves and restores pause till then."""
-        if self.doubt is not None:
-            return
-        changed = await self.fingerprinter.changed_files(known)
+        changed = [] if self.doubt else await self.fingerprinter.changed_files(known)
         if changed:
             self.doubt = f"{changed[0]} changed on disk"
-            log.warning(
-                "%s while llama-server %s runs: saves and restores pause until it starts "
-                "again (its states stay filed under what it loaded)",
-                self.doubt,
-                self.name,
-            )
+            why = "saves and restores pause until it starts again"
+            log.warning("%s while llama-server %s runs: %s", self.doubt, self.name, why)
 
     async def _probe(self) -> probe.Behaviour | None:
         """The behavioural probe, on a slot taken from the pool and then forgotten."""
@@ -335,14 +342,6 @@ class Backend:
         finally:
             slot.forget()
             self.pool.release(slot, used=False)
-
-    async def _router_args(self) -> list[str] | None:
-        """This router model's command line, as GET /models shows it."""
-        try:
-            models = await list_models(self.upstream)
-        except UpstreamError:
-            return None
-        return next((list(m.args) for m in models if m.id == self.model), None)
 
     def _notice_sleep(self, props: dict[str, Any]) -> bool:
         """Whether the server is asleep, as /props says. Falling asleep it unloads the model

@@ -85,10 +85,7 @@ class Conversations:
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, Any]
     ) -> Conversation | NotKeyed:
         """The request as a conversation of this server's model (its namespace)."""
-        conv = adapter.read(payload, self.backend.identity, self.tenant_of(request.headers))
-        if isinstance(conv, Conversation):
-            self.backend.loras.note(conv)
-        return conv
+        return adapter.read(payload, self.backend.identity, self.tenant_of(request.headers))
 
     async def serve(
         self,
@@ -117,6 +114,8 @@ class Conversations:
                 return await self.unkeyed.forward_pinned(request, path_qs, payload)
             return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
         incoming.let_go(request)  # it goes out written from the parse: held once while queued
+        # Read under this server's fingerprint (servers of one fingerprint share a reading).
+        self.backend.loras.note(conv)
 
         try:
             slot, _ = await self.pool.acquire(

@@ -85,8 +85,7 @@ class Slot:
     # Our last use ended and its GET /slots has not answered yet (see `ours_ended`): the
     # range of tokens the server should show (the prompt, up to the prompt and the reply).
     pending: tuple[int, int] | None = None
-    # The newest task GET /slots showed on it since the server started (`forget` keeps it):
-    # an older one, or none, later says the server started again (`shows_restart`).
+    # The newest task GET /slots showed since the server started (`forget` keeps it).
     last_task: int | None = None
     # "saving" or "restoring" while kvproxy's save or restore of the slot is under way.
     action: str | None = None
@@ -248,12 +247,14 @@ class SlotPool:
             return False
         return all(o.started_at <= slot.seen_at for o in self.slots if o is not slot)
 
-    def forget_all(self, started: bool = False) -> None:
-        """`started`: the server started again, its task ids from 0."""
+    def forget_all(self) -> None:
         for slot in self.slots:
             slot.forget()
-            if started:
-                slot.last_task = None
+
+    def started_again(self) -> None:
+        """The server was seen to start again: its task ids begin anew."""
+        for slot in self.slots:
+            slot.last_task = None
 
     def seen_empty(self, infos: Sequence[SlotInfo]) -> None:
         """Idle slots GET /slots shows holding no tokens belong to no tenant. Only an explicit

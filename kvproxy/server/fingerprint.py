@@ -38,6 +38,7 @@ from kvproxy.http.session import UpstreamError
 from kvproxy.server import kvflags, localproc, probe
 from kvproxy.server.api import LlamaClient
 from kvproxy.server.localproc import ServerProcess
+from kvproxy.server.router import list_models
 from kvproxy.server.weights import FileStamp, stamp
 
 log = logging.getLogger("kvproxy.server")
@@ -68,6 +69,7 @@ class Fingerprint:
     # The behavioural probe ran (False: it failed this time, a router swapping models, no
     # idle slot; the fingerprint is then read again soon, and nothing saved meanwhile).
     probed: bool = True
+    config: str = ""  # a digest of all but the probe
 
     def has_flag(self, name: str) -> bool:
         return any(flag == name for flag, _ in self.flags)
@@ -94,8 +96,8 @@ def props_part(props: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 class Fingerprinter:
-    """Reads one server's fingerprint. `router_args`: for a router's model, its child's
-    command line as GET /models shows it. `managed_args`: managed mode's flags for the
+    """Reads one server's fingerprint. `router_model`: a router's model, whose command line
+    GET /models shows. `managed_args`: managed mode's flags for the
     server, used where its process cannot be read."""
 
     def __init__(
@@ -103,13 +105,13 @@ class Fingerprinter:
         client: LlamaClient,
         url: str,
         cache_dir: Path,
-        router_args: Callable[[], Awaitable[Sequence[str] | None]] | None = None,
+        router_model: str | None = None,
         managed_args: Sequence[str] | None = None,
     ) -> None:
         self.client = client
         self.url = url
         self.cache_dir = cache_dir
-        self.router_args = router_args
+        self.router_model = router_model
         self.managed_args = list(managed_args) if managed_args is not None else None
         self._warned: set[str] = set()
         self._confirmed: dict[Path, FileStamp] = {}  # stamps of files touched, content kept
@@ -151,7 +153,7 @@ class Fingerprinter:
         files: list[Watched] = []
         parts["weights"] = await self._file(model_path, cwd, files, "model")
         adapters = await self._adapters(cwd, files)
-        parts["adapters"] = [digest for digest, _ in adapters]
+        parts["adapters"] = adapters  # each one's content and default scale
         flags: list[tuple[str, str]] = []
         if argv is not None:
             for flag, value in [*kvflags.from_env(env), *kvflags.parse(argv)]:
@@ -180,6 +182,7 @@ class Fingerprinter:
             tuple(flags),
             argv is not None,
             parts["probe"] != NOT_PROBED,
+            config,
         )
 
     async def _process(self) -> ServerProcess | None:
@@ -190,8 +193,12 @@ class Fingerprinter:
     async def _flags_source(
         self, process: ServerProcess | None
     ) -> tuple[Sequence[str] | None, dict[str, str]]:
-        if self.router_args is not None:
-            args = await self.router_args()
+        if self.router_model is not None:
+            try:
+                models = await list_models(self.client.upstream)
+            except UpstreamError:
+                return None, {}
+            args = next((m.args for m in models if m.id == self.router_model), None)
             return (list(args) if args is not None else None), {}
         if process is not None:
             return process.argv, process.env
