@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,21 @@ def unseen_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(localproc, "find", lambda url: None)
 
 
+# Every server a test starts, stopped when it ends however it ends (a failed assertion too).
+STARTED: list[RealServer | Started] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_servers() -> Iterator[None]:
+    yield
+    while STARTED:
+        STARTED.pop().stop()
+
+
 def serve(cache: Path, model: Path, *flags: str, port: int | None = None) -> RealServer:
-    return start_real_server(cache, model, SLOTS, CTX, ("--cache-ram", "0", *flags), port)
+    server = start_real_server(cache, model, SLOTS, CTX, ("--cache-ram", "0", *flags), port)
+    STARTED.append(server)
+    return server
 
 
 # --- 1. a request's own adapter scales
@@ -169,6 +183,7 @@ async def test_router_presets_of_one_file_never_share_their_states(
     log_path = cache_dir.parent / f"llama-server-{port}.log"
     managed = run_server_command(command, port, log_path)
     router = RealServer(managed.url, cache_dir, base, managed, log_path)
+    STARTED.append(router)
     proxy = await start_proxy(router.url, cache_dir, write_through=True)
     try:
         first = await ask(proxy.url, conversation(1), model="plain")
@@ -363,8 +378,9 @@ class Started:
     proc: subprocess.Popen[bytes]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
 
 
 def serve_in(directory: Path, cache: Path) -> Started:
@@ -381,7 +397,9 @@ def serve_in(directory: Path, cache: Path) -> Started:
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
-                    return Started(url, proc)
+                    started = Started(url, proc)
+                    STARTED.append(started)
+                    return started
         except OSError:
             assert proc.poll() is None, "llama-server ended"
         time.sleep(0.2)
