@@ -11,7 +11,9 @@ only the common prefix, so a collision can cost speed but never correctness.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -55,6 +57,63 @@ def _hash(*parts: bytes) -> str:
 def _is_object(value: Any) -> bool:
     # Parsed JSON objects are dicts, matched first; the Mapping check (an ABC's, slow) for others.
     return isinstance(value, (dict, Mapping))
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What computes a request's KV on one server: `text`, the server's fingerprint (model,
+    settings, build: server/fingerprint.py), and the scales its LoRA adapters apply to a
+    request that names none (GET /lora-adapters, in adapter order; empty without adapters).
+    A request's own `lora` list is part of its key (`for_request`)."""
+
+    text: str
+    lora_defaults: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, identity: Identity | str) -> Identity:
+        return identity if isinstance(identity, Identity) else cls(identity)
+
+    def lora_scales(self, payload: Mapping[str, Any]) -> tuple[float, ...]:
+        """The scale of each adapter for a request whose body (as it goes to the server) is
+        `payload`: its `lora` list sets the adapters it names and 0 for the others, no list
+        (or an empty one) leaves the server's (server-context.cpp `construct_lora_list`;
+        ids and scales read as `parse_lora_request` reads them, scales as float32)."""
+        given = payload.get("lora")
+        if not self.lora_defaults or not isinstance(given, list) or not given:
+            return self.lora_defaults
+        named: dict[int, float] = {}
+        for item in given:
+            named[_lora_int(item, "id")] = _lora_float(item, "scale")
+        return tuple(named.get(i, 0.0) for i in range(len(self.lora_defaults)))
+
+    def for_request(self, payload: Mapping[str, Any]) -> str:
+        """The identity a request is keyed under: the server's, with its adapters' scales."""
+        if not self.lora_defaults:
+            return self.text
+        scales = ",".join(repr(s) for s in self.lora_scales(payload))
+        return f"{self.text}\0lora={scales}"
+
+
+def lora_body(scales: Sequence[float]) -> list[dict[str, Any]]:
+    """A request's `lora` list naming every adapter with its scale."""
+    return [{"id": i, "scale": s} for i, s in enumerate(scales)]
+
+
+def _lora_int(item: Any, name: str) -> int:
+    value = item.get(name) if isinstance(item, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return -1
+    return int(value)
+
+
+def _lora_float(item: Any, name: str) -> float:
+    value = item.get(name) if isinstance(item, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", value))[0])
+    except (OverflowError, struct.error):
+        return float("inf") if value > 0 else float("-inf")
 
 
 def namespace(model_identity: str, request: Mapping[str, Any], tenant: str | None) -> str:

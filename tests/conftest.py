@@ -22,6 +22,7 @@ from kvproxy.config import Settings
 from kvproxy.edge.app import SERVICE, build_app
 from kvproxy.edge.listen import listen, runner_options
 from kvproxy.lanes.cache import ConversationCache
+from kvproxy.server import probe
 from kvproxy.server.managed import (
     ManagedServer,
     find_server_binary,
@@ -30,13 +31,15 @@ from kvproxy.server.managed import (
     server_command,
 )
 from kvproxy.store import DB_NAME, IndexDB
+from kvproxy.store.owners import OWNERS
 from kvproxy.store.salt import SALT_NAME
 
 from .fakeserver import FakeLlamaServer
 from .ggufmodels import model_files
 
-# kvproxy's own files in a cache dir, beside the entries: the index (and its WAL), the salt.
-NOT_ENTRIES = (DB_NAME, SALT_NAME)
+# kvproxy's own files in a cache dir, beside the entries: the index (and its WAL), the salt,
+# the owners' lock files, the behavioural probe's book.
+NOT_ENTRIES = (DB_NAME, SALT_NAME, OWNERS, probe.BOOK, probe.BOOK_LOCK)
 
 
 @dataclass

@@ -144,9 +144,10 @@ FIM_PIECES = {
 }
 
 
-def write_dense_llama(path: Path, n_layer: int = 2, fim: bool = False) -> Path:
+def write_dense_llama(path: Path, n_layer: int = 2, fim: bool = False, seed: int = 1) -> Path:
     """`llama`: 2 full-attention layers, 4 query heads, 2 KV heads (head dim 16). `fim`:
-    with FIM token ids, so the server's `/infill` accepts it."""
+    with FIM token ids, so the server's `/infill` accepts it. `seed`: other weights of the
+    same shapes (a file of the same size: another fine-tune of the same model)."""
     n_head, n_head_kv, n_ff = 4, 2, 128
     head_dim = N_EMBD // n_head
 
@@ -160,7 +161,7 @@ def write_dense_llama(path: Path, n_layer: int = 2, fim: bool = False) -> Path:
         w.add_head_count_kv(n_head_kv)
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(10000.0)
-        t = _Weights(w, seed=1)
+        t = _Weights(w, seed=seed)
         t.rand("token_embd.weight", N_VOCAB, N_EMBD)
         t.ones("output_norm.weight", N_EMBD)
         t.rand("output.weight", N_VOCAB, N_EMBD)
@@ -251,6 +252,45 @@ WRITERS: dict[str, Callable[[Path], Path]] = {
     "recurrent": write_mamba,
     "hybrid": write_hybrid,
 }
+
+
+# The attention projections of `write_dense_llama` a LoRA adapter changes: (name, rows).
+LORA_TARGETS = (("attn_q", N_EMBD), ("attn_k", 32), ("attn_v", 32), ("attn_output", N_EMBD))
+
+
+def write_lora(path: Path, seed: int = 11, rank: int = 4, n_layer: int = 2) -> Path:
+    """A LoRA adapter for `write_dense_llama`, as llama.cpp loads one (src/llama-adapter.cpp:
+    `general.type` "adapter", `adapter.type` "lora", `adapter.lora.alpha`, and a pair of
+    tensors `<weight>.lora_a` (rank x n_in) and `<weight>.lora_b` (n_out x rank) for each
+    weight it changes, in numpy order), with weights large enough to change every answer."""
+
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_string(gguf.Keys.General.TYPE, "adapter")
+        w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))
+        t = _Weights(w, seed=seed, stdev=0.3)
+        for i in range(n_layer):
+            for name, n_out in LORA_TARGETS:
+                t.rand(f"blk.{i}.{name}.weight.lora_a", rank, N_EMBD)
+                t.rand(f"blk.{i}.{name}.weight.lora_b", n_out, rank)
+
+    return _write_plain(Path(path), "llama", fill)
+
+
+def _write_plain(path: Path, arch: str, fill: Callable[[gguf.GGUFWriter], None]) -> Path:
+    """Write a GGUF of `fill`'s keys and tensors only (no model metadata), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, arch)
+    try:
+        fill(w)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+    os.replace(tmp, path)
+    return path
 
 
 def _fingerprint() -> str:

@@ -16,6 +16,8 @@ from typing import Any
 from kvproxy_fake.model import common_prefix, detokenize
 from kvproxy_fake.server import FakeLlamaServer, FakeSlot, _Ticket
 
+from kvproxy.server import probe
+
 
 @dataclass
 class Made:
@@ -79,7 +81,10 @@ class LedgerServer(FakeLlamaServer):
     def _release(self, slot: FakeSlot) -> None:
         if slot.is_processing and slot.id in self.running:
             prompt_len = self.running.pop(slot.id)
-            self.made[slot.id] = Made(list(slot.tokens), min(prompt_len, len(slot.tokens)))
+            made = Made(list(slot.tokens), min(prompt_len, len(slot.tokens)))
+            # kvproxy's behavioural probe (server/probe.py) leaves nothing of value.
+            made.saved = probe.PROMPT in detokenize(slot.tokens)
+            self.made[slot.id] = made
         super()._release(slot)
 
     def _save(self, slot: FakeSlot, id_slot: int, filename: str) -> tuple[int, Any]:

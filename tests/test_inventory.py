@@ -124,7 +124,11 @@ def on_disk(root: Path) -> dict[str, bytes]:
     """Every file's bytes but SQLite's shared-memory index (`-shm`): a reader records there
     how far into the WAL it reads (its read mark), which is coordination between the
     connections of the moment, not content; the database and its WAL are compared."""
-    return {p.name: p.read_bytes() for p in root.iterdir() if not p.name.endswith("-shm")}
+    return {
+        p.name: p.read_bytes()
+        for p in root.iterdir()
+        if p.is_file() and not p.name.endswith("-shm")
+    }
 
 
 def test_ls_without_a_cache_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

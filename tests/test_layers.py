@@ -159,7 +159,8 @@ OWNED = {
     ),
     "kvproxy.cache.backend": (
         "backend",
-        {"enabled", "disk_enabled", "store_open", "model_identity", "model_info"},
+        {"enabled", "slot_actions", "doubt", "store_open", "model_identity", "model_info"}
+        | {"fingerprint", "identity", "life", "life_started"},
     ),
 }
 

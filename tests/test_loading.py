@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from .conftest import start_proxy
-from .fakeserver import FakeLlamaServer
+from .fakeserver import FakeLlamaServer, clients
 from .test_cache import chat, conv, settle, then
 
 
@@ -40,7 +40,7 @@ async def test_requests_once_a_loading_server_is_up_are_pinned(tmp_path: Path) -
             prompt = "System prompt " * 40
             status, first = await completion(proxy.url, prompt)
             assert status == 200
-            sent = [r[2] for r in fake.requests if r[1] == "/completion"]
+            sent = [r[2] for r in clients(fake.requests) if r[1] == "/completion"]
             assert len(sent) == 1 and "id_slot" in sent[0]  # pinned, not relayed blind
             _, r1, h1 = await chat(proxy, conv(1))
             _, r2, h2 = await chat(proxy, then(conv(1), r1))

@@ -108,14 +108,40 @@ def test_a_restore_counts_as_reused_when_half_of_what_could_be_was() -> None:
 
 def test_the_guard_turns_restores_off_after_wasted_ones_in_a_row() -> None:
     guard = RestoreGuard()
-    turned_off = [guard.record("a", RestoreVerdict.WASTED) for _ in range(INEFFECTIVE_LIMIT)]
+    wasted = RestoreVerdict.WASTED
+    turned_off = [guard.record("L", "a", f"k{i}", False, wasted) for i in range(INEFFECTIVE_LIMIT)]
     assert turned_off == [False] * (INEFFECTIVE_LIMIT - 1) + [True]
-    assert not guard.allows("a") and guard.allows("b")
-    assert not guard.record("a", RestoreVerdict.WASTED), "said once"
+    # This server reuses none of its own restores: the namespace's restores and saves stop.
+    assert not guard.allows("L", "a", "new", False) and not guard.allows("L", "a", "old", True)
+    assert not guard.allows_saves("L", "a")
+    assert guard.allows("L", "b", "b0", False) and guard.allows_saves("L", "b")
+    # Another start of the server (another life) has proved nothing yet.
+    assert guard.allows("M", "a", "k0", False) and guard.allows_saves("M", "a")
+    assert not guard.record("L", "a", "k9", False, wasted), "said once"
 
     other = RestoreGuard()
-    for _ in range(INEFFECTIVE_LIMIT - 1):
-        other.record("a", RestoreVerdict.WASTED)
-    other.record("a", RestoreVerdict.REUSED)  # breaks the streak
-    other.record("a", RestoreVerdict.UNKNOWN)  # says nothing
-    assert not other.record("a", RestoreVerdict.WASTED) and other.allows("a")
+    for i in range(INEFFECTIVE_LIMIT - 1):
+        other.record("L", "a", f"k{i}", False, wasted)
+    other.record("L", "a", "x", False, RestoreVerdict.REUSED)  # breaks the streak
+    other.record("L", "a", "y", False, RestoreVerdict.UNKNOWN)  # says nothing
+    assert not other.record("L", "a", "z", False, wasted) and other.allows("L", "a", "n", False)
+    assert not other.allows("L", "a", "z", False), "an entry not reused is set aside"
+    assert other.allows("M", "a", "z", False), "for that life only"
+
+
+def test_wasted_restores_of_older_entries_stop_only_those() -> None:
+    """States saved before the server's start that it does not reuse (its template changed)
+    prove nothing about the states it saves itself: new conversations are still cached."""
+    guard = RestoreGuard()
+    for i in range(INEFFECTIVE_LIMIT):
+        guard.record("L", "a", f"old{i}", True, RestoreVerdict.WASTED)
+    assert not guard.allows("L", "a", "another-old", True)
+    assert guard.allows("L", "a", "new", False)
+    assert guard.allows_saves("L", "a")
+
+
+def test_an_entry_set_aside_is_not_restored_in_that_life() -> None:
+    guard = RestoreGuard()
+    guard.set_aside("L", "k")
+    assert not guard.allows("L", "a", "k", False)
+    assert guard.allows("L", "a", "j", False) and guard.allows("M", "a", "k", False)

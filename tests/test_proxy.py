@@ -16,6 +16,7 @@ from kvproxy.edge.app import SERVICE
 from kvproxy.server.managed import free_port
 
 from .conftest import RunningProxy, start_proxy
+from .fakeserver import fingerprinting
 from .standin_server import RawUpstream
 
 
@@ -49,6 +50,8 @@ class EchoUpstream:
 
     async def echo(self, request: web.Request) -> web.Response:
         body = await request.read()
+        if fingerprinting(request.method, request.path_qs, body):
+            return web.Response(status=404)  # as a server without these routes
         self.seen.append(
             {
                 "method": request.method,

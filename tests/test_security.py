@@ -73,8 +73,12 @@ async def test_cache_dir_and_files_are_private(make: Maker) -> None:
     await settle(proxy)
     root = proxy.cache.store.root
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    files = list(root.iterdir())
+    files = [p for p in root.iterdir() if not p.is_dir()]
+    dirs = [p for p in root.iterdir() if p.is_dir()]  # the owners' lock files (owners.py)
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in dirs)
+    inside = [f for d in dirs for f in d.iterdir()]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in inside)
     assert (root / DB_NAME).exists()  # the index, private like the rest
     assert (root / SALT_NAME).exists()  # the tenant salt, private too
     for p in files:  # names come from hashes only (but the index's and the salt)

@@ -91,7 +91,7 @@ async def test_with_tenants_reasons_say_where_texts_part_never_what_they_say(
     fake, proxy = await make(client_api_keys="alice,bob", admin_token="root")
     alice = {"Authorization": "Bearer alice"}
     prompt = "You are a helpful agent. Request id: {}. Follow the repository's rules."
-    for rid in ("a1b2", "c3d4"):
+    for rid in ("q1w2", "x3z4"):  # not hex: never found in a key by chance
         await chat(proxy, [{"role": "system", "content": prompt.format(rid)}], headers=alice)
     for _ in range(300):
         await settle(proxy)
@@ -103,7 +103,7 @@ async def test_with_tenants_reasons_say_where_texts_part_never_what_they_say(
     assert status == 200
     [miss] = [r for r in orjson.loads(text)["reasons"] if r["kind"] == "miss"]
     assert miss["why"] == "diverged from slot 0 at message 0, char 37"
-    for secret in ("a1b2", "c3d4", "Request id", "helpful agent"):
+    for secret in ("q1w2", "x3z4", "Request id", "helpful agent"):
         assert secret not in text
 
 

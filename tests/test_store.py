@@ -81,6 +81,7 @@ def test_reopen_keeps_the_rows_and_sweeps_orphans(tmp_path: Path) -> None:
     (tmp_path / f"{orphan}.kv").write_bytes(state_bytes(5))  # a .kv with no row
     (tmp_path / f"{entry.key}.1234abcd.tmp").write_bytes(b"half a save")
     (tmp_path / "notes.txt").write_text("not ours")
+    store.close()  # a restart: a kvproxy still running keeps its files in flight
 
     again = Store(tmp_path, ttl=3600, max_bytes=0)
     again.open()
@@ -94,6 +95,7 @@ def test_state_without_row_is_never_used(tmp_path: Path) -> None:
     store.open()
     entry = save(store, 2)
     IndexDB(tmp_path).delete(entry.key)  # a crash between the state's rename and its row
+    store.close()
     again = Store(tmp_path, ttl=3600, max_bytes=0)
     again.open()
     assert again.entries == {}

@@ -8,15 +8,21 @@ knew about its slots; one that refuses GET /slots is served uncached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
+from kvproxy import keys
 from kvproxy.cache.liveness import Liveness, no_answer
-from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.loras import NamespaceLoras
+from kvproxy.cache.slotpool import QueueFull, SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.server import localproc, probe
 from kvproxy.server.api import LlamaClient, ModelRoute
+from kvproxy.server.fingerprint import Fingerprint, Fingerprinter, managed_args
 from kvproxy.server.modelinfo import ModelInfo, model_identity, read_model_info, swa_note
 from kvproxy.server.modellist import is_router
 
@@ -45,6 +51,8 @@ REFUSED_STATUSES = frozenset({404, 501})
 
 # How often a running proxy checks that the server is still the one it knows.
 PROPS_CHECK_INTERVAL = 15.0
+# How long a request waits for the fingerprint of a server seen starting (then goes uncached).
+READ_WAIT = 30.0
 # While the server refuses GET /slots (caching off), how often a request may look again.
 REDISCOVER_INTERVAL = 1.0
 
@@ -80,12 +88,32 @@ class Backend:
         self.client = LlamaClient(upstream, ModelRoute(model) if model else None)
         self.pool = SlotPool(1, settings.max_queue, settings.queue_timeout)
         self.enabled = False  # slot pinning works (GET /slots answered)
-        self.disk_enabled = True  # slot save/restore works (--slot-save-path set)
+        self.slot_actions = True  # slot save/restore works (--slot-save-path set)
         # The cache dir is open (the cache sets it false while it opens): until then nothing
         # discovers the server, so requests pass through uncached.
         self.store_open = True
         self.model_identity = ""
         self.model_info: ModelInfo | None = None
+        # What the server computes KV with (server/fingerprint.py), read at each start seen.
+        self.fingerprinter = Fingerprinter(
+            self.client,
+            upstream.base_url,
+            settings.cache_dir,
+            model,
+            managed_args(settings) if model is None else None,
+        )
+        self.fingerprint: Fingerprint | None = None
+        self.identity = keys.Identity("")  # what requests are keyed under
+        self.loras = NamespaceLoras()  # each namespace's adapter scales (evaluations use them)
+        # One name per start of the server seen (`life_started`: when), for what holds only
+        # while it runs (the restore guard's proofs, entries it refused).
+        self.life = ""
+        self._lives = 0
+        self.life_started = 0.0
+        # Why saves and restores are paused (a file the server loaded changed on disk: the
+        # next start loads other content), None while they are not.
+        self.doubt: str | None = None
+        self._reading: asyncio.Event | None = None  # set when a fingerprint read ends
         self._last_props_check = 0.0
         # Probe route (SLOT_PICKING_ROUTES) -> (the server refuses it, when that was seen).
         self._refusals: dict[str, tuple[bool, float]] = {}
@@ -105,7 +133,13 @@ class Backend:
 
     def refuses_slot_actions(self) -> None:
         """The server answered a slot action 501 (no --slot-save-path): no saves or restores."""
-        self.disk_enabled = False
+        self.slot_actions = False
+
+    @property
+    def disk_enabled(self) -> bool:
+        """Saves and restores may be done: the server has slot actions, and kvproxy knows what
+        it computes with."""
+        return self.slot_actions and self.doubt is None
 
     def store_opening(self, opening: bool) -> None:
         """While the cache dir opens, nothing discovers the server: requests pass through."""
@@ -136,6 +170,8 @@ class Backend:
         return self.model_info.model_class if self.model_info else "unknown"
 
     def props_check_due(self) -> bool:
+        if self.fingerprint is not None and not self.fingerprint.probed:
+            return True  # its behavioural probe failed: read it again at once
         return time.monotonic() - self._last_props_check > self.check_interval
 
     def unreachable(self, reason: str) -> None:
@@ -144,6 +180,17 @@ class Backend:
         self.down = UpstreamError(reason)
         self.enabled = False
         self._lost = True
+
+    async def restarted_unseen(self, why: str) -> None:
+        """The server may have started again unseen (a slot says so; not when its process is
+        the same: a wake from sleep empties slots): read again at once, disk paused till then."""
+        proc = self.fingerprint.process if self.fingerprint is not None else None
+        if proc is not None and await asyncio.to_thread(localproc.same_process, proc):
+            return
+        if self.doubt is None:
+            log.warning("llama-server %s started again (%s): reading it again", self.name, why)
+        self.doubt, self._lost = why, True
+        self._last_props_check = 0.0  # housekeeping's next tick looks
 
     def model_gone(self, why: str) -> None:
         """The router unloaded this model, or it fell asleep: its KV went with it. What the
@@ -160,6 +207,9 @@ class Backend:
         `wake`: the request will wake a sleeping server anyway (a health check would not)."""
         if not self.store_open:
             return
+        if self._reading is not None:  # its fingerprint is being read: the request waits
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reading.wait()), READ_WAIT)
         if not self.enabled and time.monotonic() - self._no_slots_seen > REDISCOVER_INTERVAL:
             try:
                 await self.discover(wake=wake)
@@ -186,6 +236,7 @@ class Backend:
         self.down = None
         self.liveness.answered()
         self.router = self.model is None and is_router(props)
+        lost = self._lost  # it may have started again meanwhile, whatever /props says
         if self._lost:
             self._lost = False
             log.info(
@@ -196,34 +247,32 @@ class Backend:
                     slot.forget()
         if self._notice_sleep(props) and not wake:
             return
-        identity = await asyncio.to_thread(model_identity, props)
+        known = self.fingerprint
+        same = known is not None and not lost and await self.fingerprinter.same_server(known, props)
+        same = same and known is not None and known.probed  # else its probe failed: again
         if (
             not wake
             and self.enabled
-            and identity == self.model_identity
+            and same
             and props.get("total_slots", len(self.pool.slots)) == len(self.pool.slots)
             and props.get("endpoint_slots", True) is not False
         ):
+            assert known is not None
+            await self._watch_files(known)
             return  # the server kvproxy knows
         try:
             slots = await self.client.slots()
         except UpstreamError as exc:
+            identity = await asyncio.to_thread(model_identity, props)
             if self.enabled or self.model_identity != identity:
                 log.warning("GET /slots failed (%s): caching is off, requests pass through", exc)
             self._no_slots_seen = time.monotonic()
             self.enabled = False
             self.model_identity = identity
+            self.fingerprint = None
             return
-        if identity != self.model_identity or len(slots) != len(self.pool.slots):
-            if self.model_identity:
-                log.info("llama-server changed (model or slots): forgetting what slots held")
-            self.pool.resize(len(slots))
-            self.pool.forget_all()
-            self._refusals.clear()
-            self.model_identity = identity
-            self.model_info = await asyncio.to_thread(
-                read_model_info, str(props.get("model_path") or "")
-            )
+        if not same or len(slots) != len(self.pool.slots):
+            await self._started(props, len(slots))
         self.pool.seen_empty(slots)
         if not self.enabled:
             info = self.model_info
@@ -236,6 +285,67 @@ class Backend:
             )
         self.enabled = True
         self._last_props_check = time.monotonic()
+
+    async def _started(self, props: dict[str, Any], n_slots: int) -> None:
+        """A server seen for the first time, changed, or started again: what it computes
+        with is read again (saves and restores wait for it); what its slots held is
+        forgotten if that changed (else its slots are checked before they are trusted)."""
+        self.pool.resize(n_slots)
+        self.pool.started_again()
+        paused, self.doubt = self.doubt, "reading llama-server's fingerprint"
+        self._reading = reading = asyncio.Event()
+        try:
+            fp = await self.fingerprinter.read(props, self._probe)
+        except BaseException:
+            self.doubt, self.fingerprint = paused, None  # the next look reads it again
+            raise
+        finally:
+            self._reading = None
+            reading.set()
+        known = self.fingerprint
+        if not fp.probed and known is not None and known.config == fp.config:
+            fp = replace(fp, text=known.text)  # keyed as before till the probe tells (no disk)
+        if fp.text != self.model_identity:
+            log.info("llama-server %s computes with %s", self.name, fp.text)
+            self.pool.forget_all()
+            self._refusals.clear()
+            self.loras.clear()  # requests on their way were read under what it was
+            self.model_info = await asyncio.to_thread(
+                read_model_info, fp.text.split("|", 1)[0] or str(props.get("model_path") or "")
+            )
+        self.fingerprint = fp
+        self.model_identity = fp.text
+        self.identity = keys.Identity(fp.text, fp.lora_defaults)
+        self._lives += 1
+        self.life = f"{self.name}#{self._lives}"
+        self.life_started = time.time()
+        if not fp.probed:  # read again at the next look (props_check_due), at once
+            self.doubt = "its behavioural probe did not run"
+            return
+        if paused is not None:
+            log.info("llama-server started again: saves and restores resume")
+        self.doubt = None
+
+    async def _watch_files(self, known: Fingerprint) -> None:
+        """A file the running server loaded changed on disk: it computes with the new content
+        once it starts again, which kvproxy may not see. Saves and restores pause till then."""
+        changed = [] if self.doubt else await self.fingerprinter.changed_files(known)
+        if changed:
+            self.doubt = f"{changed[0]} changed on disk"
+            why = "saves and restores pause until it starts again"
+            log.warning("%s while llama-server %s runs: %s", self.doubt, self.name, why)
+
+    async def _probe(self) -> probe.Behaviour | None:
+        """The behavioural probe, on a slot taken from the pool and then forgotten."""
+        try:
+            slot, _ = await self.pool.acquire()
+        except QueueFull as exc:
+            raise UpstreamError(f"no idle slot: {exc}") from exc
+        try:
+            return await probe.behaviour(self.client, slot.id)
+        finally:
+            slot.forget()
+            self.pool.release(slot, used=False)
 
     def _notice_sleep(self, props: dict[str, Any]) -> bool:
         """Whether the server is asleep, as /props says. Falling asleep it unloads the model

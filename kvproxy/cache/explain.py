@@ -197,3 +197,26 @@ async def explain_against(
     except Exception:
         log.exception("explaining a miss failed")
         return None
+
+
+def wasted_hint(info: ModelInfo | None, swa_full: bool | None, older: bool) -> str:
+    """What kvproxy does after restores the server did not reuse (policy.RestoreGuard), and
+    what may help: `older`, the entries were saved before the server's current start;
+    `swa_full`, whether the server runs with --swa-full (None: not known)."""
+    if older:
+        return (
+            "states saved before this llama-server started are not reused by it (its chat "
+            "template, or another setting kvproxy cannot see, changed?): those are no longer "
+            "restored for this kind of conversation while it runs; new ones are saved and "
+            "restored as usual"
+        )
+    what = "kvproxy stops restoring and saving this kind of conversation while it runs"
+    if info is not None and info.has_swa and swa_full is not True:
+        maybe = "" if swa_full is False else " (if it runs without it)"
+        return f"{what}. Sliding-window models ({info.architecture}) need --swa-full{maybe}"
+    if info is not None and info.model_class in ("recurrent", "hybrid"):
+        return (
+            f"{what}. A {info.model_class} model reuses a restored state only when the next "
+            "prompt extends it exactly"
+        )
+    return what

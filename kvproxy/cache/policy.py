@@ -221,28 +221,54 @@ def expected_resident(depth: int, chain_length: int, n_tokens: int) -> int | Non
     return n_tokens if depth >= chain_length else None
 
 
+Scope = tuple[str, str, bool]  # (server life, namespace, entry saved before that life)
+
+
 @dataclass
 class RestoreGuard:
-    """Stops restores (and saves) for a namespace after `limit` wasted restores in a row:
-    then they only cost I/O."""
+    """What restores the server did not reuse prove, and only that. Proofs hold for one
+    start of one server (`life`: backend.py names each), whose settings may differ from the
+    ones an entry was saved under in ways no fingerprint shows (a template given some way
+    kvproxy cannot read). An entry restored and not reused, or refused, is set aside for that
+    life (`set_aside`), never deleted. `limit` such restores in a row of one namespace's
+    entries saved before the life began stop restores of its older entries (they were
+    computed some other way); of entries saved during it, they stop its restores and saves
+    altogether (this server reuses no restored state: a sliding-window model without
+    --swa-full). New conversations are saved and restored as before in the first case."""
 
     limit: int = INEFFECTIVE_LIMIT
-    _streak: dict[str, int] = field(default_factory=dict)
-    _off: set[str] = field(default_factory=set)
+    _streak: dict[Scope, int] = field(default_factory=dict)
+    _off: set[Scope] = field(default_factory=set)
+    _aside: set[tuple[str, str]] = field(default_factory=set)  # (life, entry key)
 
-    def allows(self, namespace: str) -> bool:
-        return namespace not in self._off
+    def allows(self, life: str, namespace: str, key: str, older: bool) -> bool:
+        """May this entry (`older`: saved before `life` began) be restored now?"""
+        if (life, key) in self._aside:
+            return False
+        off = self._off
+        return (life, namespace, older) not in off and (life, namespace, False) not in off
 
-    def record(self, namespace: str, verdict: RestoreVerdict) -> bool:
-        """True when this verdict turned restores off for the namespace."""
+    def allows_saves(self, life: str, namespace: str) -> bool:
+        """Would a state of `namespace` saved now ever be reused by this server?"""
+        return (life, namespace, False) not in self._off
+
+    def set_aside(self, life: str, key: str) -> None:
+        self._aside.add((life, key))
+
+    def record(
+        self, life: str, namespace: str, key: str, older: bool, verdict: RestoreVerdict
+    ) -> bool:
+        """True when this verdict stopped restores for the scope (`older`'s entries)."""
         if verdict is RestoreVerdict.UNKNOWN:
             return False
+        scope = (life, namespace, older)
         if verdict is RestoreVerdict.REUSED:
-            self._streak[namespace] = 0
+            self._streak[scope] = 0
             return False
-        streak = self._streak.get(namespace, 0) + 1
-        self._streak[namespace] = streak
-        if streak >= self.limit and namespace not in self._off:
-            self._off.add(namespace)
+        self.set_aside(life, key)
+        streak = self._streak.get(scope, 0) + 1
+        self._streak[scope] = streak
+        if streak >= self.limit and scope not in self._off:
+            self._off.add(scope)
             return True
         return False

@@ -49,6 +49,7 @@ class Reuse:
     def __init__(self, ctx: CacheContext, work: SlotWork, stems: Stems) -> None:
         self.backend = ctx.backend
         self.store = ctx.store
+        self.guard = ctx.guard
         self.work = work
         self.stems = stems
 
@@ -76,22 +77,37 @@ class Reuse:
     async def find(self, conv: Conversation) -> Found:
         """The stored entries for the request, in one index query (and a second only when
         the entry found expired since housekeeping last applied the TTL)."""
+        if not self.backend.loras.current(conv.namespace):
+            return NOTHING_FOUND  # read before the server was seen to start again
         await self.work.under_way.done(conv.keys)  # a save of its own state under way
-        found = await self.store.candidates_async(conv.keys, conv.namespace)
+        found = self.restorables(await self.store.candidates_async(conv.keys, conv.namespace))
         best = await self._pick(conv, found)
         if best is not None and self.store.expired(best[0]):
             # A full eviction pass costs O(entries): housekeeping runs it every second, and
             # an entry that expired since is not restored either.
             await self.work.evict()
             found = await self.store.candidates_async(conv.keys, conv.namespace)
+            found = self.restorables(found)
             best = await self._pick(conv, found)
         # candidates() puts the longest match first.
         longest = found[0] if found else None
         if best is None:
             stem = await self.stems.find(conv)
-            if stem is not None:
+            if stem is not None and self.restorable(stem):
                 return Found((stem, 0), longest, stem=True)
         return Found(best, longest)
+
+    def older(self, entry: Entry) -> bool:
+        """Saved before the server's current start (by another server life)."""
+        return entry.created < self.backend.life_started
+
+    def restorable(self, entry: Entry) -> bool:
+        """Not set aside by the restore guard for the server's current start."""
+        life = self.backend.life
+        return self.guard.allows(life, entry.namespace, entry.key, self.older(entry))
+
+    def restorables(self, found: list[tuple[Entry, int]]) -> list[tuple[Entry, int]]:
+        return [(entry, shared) for entry, shared in found if self.restorable(entry)]
 
     async def _pick(
         self, conv: Conversation, found: list[tuple[Entry, int]]

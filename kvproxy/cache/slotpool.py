@@ -56,6 +56,11 @@ class SlotPool:
         for slot in self.slots:
             slot.forget()
 
+    def started_again(self) -> None:
+        """The server was seen to start again: its task ids begin anew."""
+        for slot in self.slots:
+            slot.started_again()
+
     def seen_empty(self, infos: Sequence[SlotInfo]) -> None:
         """Idle slots GET /slots shows holding no tokens belong to no tenant. Only an explicit
         0 says so: the server leaves `n_prompt_tokens` out until a task has run on the slot

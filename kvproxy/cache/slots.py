@@ -81,6 +81,8 @@ class Slot:
     # Our last use ended and its GET /slots has not answered yet (see `ours_ended`): the
     # range of tokens the server should show (the prompt, up to the prompt and the reply).
     pending: tuple[int, int] | None = None
+    # The newest task GET /slots showed since the server started (`forget` keeps it).
+    last_task: int | None = None
     # "saving" or "restoring" while kvproxy's save or restore of the slot is under way.
     action: str | None = None
     # The keys of the conversation a request taking the slot is for, until it is given back.
@@ -210,11 +212,19 @@ class Slot:
             return False
         return last_task is None or info.id_task != last_task
 
+    def shows_restart(self, info: SlotInfo) -> bool:
+        """An older task than the newest one seen there (task ids only grow while a server
+        runs), or none: the server started again since."""
+        last, now = self.last_task, info.id_task
+        return last is not None and (now is None or (isinstance(now, int) and now < last))
+
     def observe(self, info: SlotInfo, count_tokens: bool = False) -> None:
         """What GET /slots shows now is what our own last use left: later differences mean
         someone else used or wiped the slot. `count_tokens`: the holding's size is what the
         server reports (after our own request)."""
         self.snapshot = info.snapshot
+        if isinstance(info.id_task, int) and info.id_task > (self.last_task or -1):
+            self.last_task = info.id_task
         self.pending = None
         self.seen_at = time.monotonic()
         if count_tokens and self.holding is not None and info.n_prompt_tokens is not None:
@@ -260,6 +270,10 @@ class Slot:
     def begin_background_save(self) -> None:
         """Taken for a background save: a request may wait for it rather than evict another."""
         self.saving = True
+
+    def started_again(self) -> None:
+        """The server was seen to start again: its task ids begin anew."""
+        self.last_task = None
 
     def mark_started(self) -> None:
         """kvproxy gives the slot a task of its own (a server that wipes idle slots may wipe

@@ -17,9 +17,11 @@ from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.clearing import clear_slot
 from kvproxy.cache.context import CacheContext
+from kvproxy.cache.disktrouble import DiskTrouble
 from kvproxy.cache.events import Count, SlotActionEvent
 from kvproxy.cache.faults import SAVING
 from kvproxy.cache.policy import worth_saving
+from kvproxy.cache.refused import kept_for_its_layout
 from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slots import NOBODY, Holding, Slot
 from kvproxy.http.session import UpstreamError
@@ -49,7 +51,7 @@ class SlotWork:
         self.habits = ctx.habits
         self.guard = ctx.guard
         self.background = ctx.background
-        self._disk_error_logged = False
+        self.trouble = DiskTrouble(ctx.backend, ctx.settings.cache_dir)
         self.heads = canonical.Heads()  # what the last canonical prefixes tokenised
         self.under_way = SavesUnderWay()
 
@@ -59,7 +61,12 @@ class SlotWork:
         return worth_saving(
             held,
             disk_enabled=self.backend.disk_enabled,
-            restores_allowed=held is None or self.guard.allows(held.namespace),
+            # Read under the server's current fingerprint (loras.py), and ever reused.
+            restores_allowed=held is None
+            or (
+                self.backend.loras.current(held.namespace)
+                and self.guard.allows_saves(self.backend.life, held.namespace)
+            ),
             min_tokens=self.settings.min_tokens,
         )
 
@@ -95,6 +102,8 @@ class SlotWork:
             )
             self.events.count(Count.SLOT_RESET)
             slot.forget()
+        if slot.shows_restart(info):
+            await self.backend.restarted_unseen(f"slot {slot.id} shows an older task")
         slot.observe(info, count_tokens=pending)
 
     async def write_through(self, slot: Slot) -> None:
@@ -182,11 +191,11 @@ class SlotWork:
         except UpstreamError as exc:
             await self._save_failed(started, temp, exc if exc.status != 501 else None)
             if exc.status == 501:
-                self._no_slot_actions()
+                self.trouble.no_slot_actions()
             return False
-        except FileNotFoundError as exc:  # saved into another dir: every save would leave one
+        except FileNotFoundError as exc:  # saved into another dir, or deleted meanwhile
             await self._save_failed(started, temp)
-            self._no_slot_actions(f"{exc} in --cache-dir: its --slot-save-path is another dir")
+            await self.trouble.file_gone(slot.id, exc)
             return False
         except (OSError, ValueError, KeyError, TypeError) as exc:
             await self._save_failed(started, temp, exc)
@@ -197,7 +206,7 @@ class SlotWork:
         self.events.slot_action(
             SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds, background)
         )
-        self._disk_error_logged = False
+        self.trouble.recovered()
         log.info(
             "saved slot %d%s: %s, %d tokens, %d bytes in %.1f ms (canonical prefix before: "
             "%.1f ms)",
@@ -211,15 +220,6 @@ class SlotWork:
         )
         await self.evict()
         return True
-
-    def _no_slot_actions(self, why: str = "llama-server has no --slot-save-path") -> None:
-        self.backend.refuses_slot_actions()
-        log.warning(
-            "%s: disk cache off (start llama-server with --slot-save-path %s, or pass "
-            "--cache-dir <its --slot-save-path>)",
-            why,
-            self.settings.cache_dir,
-        )
 
     async def _save_failed(self, started: float, temp: str, fault: Exception | None = None) -> None:
         if fault is not None:  # the server or the disk refused it (a full disk): faults.py
@@ -248,7 +248,7 @@ class SlotWork:
             return
         if not tokens:
             return
-        timings = await self._evaluate(slot, tokens, "canonical prefix")
+        timings = await self._evaluate(slot, tokens, "canonical prefix", ns)
         if timings is None:
             return
         rewritten = None
@@ -273,7 +273,7 @@ class SlotWork:
         state of `holding`, and save it as an entry of its own (an opening, a stem). The
         tokens the server evaluated for it, or None when it was not saved."""
         started = time.perf_counter()
-        timings = await self._evaluate(slot, tokens, what)
+        timings = await self._evaluate(slot, tokens, what, holding.namespace)
         if timings is None:
             return None
         slot.evaluated(len(tokens), holding)
@@ -292,11 +292,17 @@ class SlotWork:
             return None
         return evaluated if isinstance(evaluated, int) and evaluated > 0 else 0
 
-    async def _evaluate(self, slot: Slot, tokens: list[int], what: str) -> dict[str, object] | None:
-        """kvproxy's own evaluation; its timings (a cold prefill) price cached tokens."""
+    async def _evaluate(
+        self, slot: Slot, tokens: list[int], what: str, namespace: str
+    ) -> dict[str, object] | None:
+        """kvproxy's own evaluation, with the namespace's adapter scales (not done when they
+        are not known: loras.py); its timings (a cold prefill) price cached tokens."""
+        known, lora = self.backend.loras.body(namespace, len(self.backend.identity.lora_defaults))
+        if not known:
+            return None
         slot.mark_started()
         try:
-            timings = await self.client.evaluate(slot.id, tokens)
+            timings = await self.client.evaluate(slot.id, tokens, lora)
         except UpstreamError as exc:
             log.warning("evaluating the %s on slot %d failed: %s", what, slot.id, exc)
             slot.forget()  # kvproxy's own evaluation did not end: the slot holds part of it
@@ -305,25 +311,19 @@ class SlotWork:
         self.events.prefilled(self.backend.name, timings)
         return timings
 
-    def _disk_error(self, message: str) -> None:
-        if not self._disk_error_logged:
-            log.error("%s (further disk errors logged at debug level)", message)
-            self._disk_error_logged = True
-        else:
-            log.debug(message)
-
     async def _drop(self, entry: Entry) -> None:
         """Removes an entry found unusable; on a full disk its row stays (it is checked again,
         and dropped again, the next time it is found)."""
         try:
             await self.store.remove_async(entry)
         except OSError as exc:
-            self._disk_error(f"dropping cache entry {entry.key[:12]} failed: {exc}")
+            self.trouble.error(f"dropping cache entry {entry.key[:12]} failed: {exc}")
 
     # --- restoring
 
     async def restore(self, slot: Slot, entry: Entry) -> RestoreOutcome | None:
-        """Load `entry` into the slot; on failure the entry is dropped and None returned."""
+        """Load `entry` into the slot; None when it fails (the entry dropped, or kept when
+        the server refused it for its layout: refused.py)."""
         self.store.pin(entry.key)
         try:
             problem = await asyncio.to_thread(self.store.files.check_state_file, entry)
@@ -350,8 +350,9 @@ class SlotWork:
                 seconds = time.perf_counter() - started
                 self.events.slot_action(SlotActionEvent("restore", False, seconds=seconds))
                 if exc.status == 400:
-                    log.warning("restore of %s failed, dropping it: %s", entry.key[:12], exc)
-                    await self._drop(entry)
+                    damaged = await asyncio.shield(checked)
+                    if not kept_for_its_layout(entry, damaged, exc, self.guard, self.backend.life):
+                        await self._drop(entry)
                     return None
                 raise
             if damaged is not None:
@@ -378,8 +379,8 @@ class SlotWork:
         now): if it may hold another tenant's tokens, clear it (clearing.py). Raises
         UpstreamError when that fails: the request must not go."""
         if slot.occupant not in (tenant, NOBODY):
-            if not await clear_slot(self.client, slot, self.backend.disk_enabled):
-                self._no_slot_actions()
+            if not await clear_slot(self.client, slot, self.backend.slot_actions):
+                self.trouble.no_slot_actions()
             slot.forget()
         slot.admit(tenant)
 
@@ -389,7 +390,7 @@ class SlotWork:
         try:
             victims = await self.store.select_victims_async()
         except OSError as exc:  # the index cannot be written (a full disk): nothing evicted
-            self._disk_error(f"evicting cache entries failed: {exc}")
+            self.trouble.error(f"evicting cache entries failed: {exc}")
             return
         if victims:
             self.events.count(Count.EVICTION, len(victims))

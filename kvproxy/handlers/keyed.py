@@ -22,6 +22,7 @@ from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.liveness import Hung
+from kvproxy.cache.loras import sent
 from kvproxy.cache.slotpool import QueueFull
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
@@ -66,8 +67,7 @@ class Keyed:
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, object]
     ) -> Conversation | NotKeyed:
         """The request as a conversation of this server's model (its namespace)."""
-        identity = self.backend.model_identity
-        return adapter.read(payload, identity, self.tenant_of(request.headers))
+        return adapter.read(payload, self.backend.identity, self.tenant_of(request.headers))
 
     async def serve(
         self,
@@ -96,6 +96,8 @@ class Keyed:
                 return await self.unkeyed.forward_pinned(request, path_qs, payload)
             return await self.unkeyed.hold_all(request, path_qs, incoming.raw())
         incoming.let_go(request)  # it goes out written from the parse: held once while queued
+        # Read under this server's fingerprint (servers of one fingerprint share a reading).
+        self.backend.loras.note(conv)
         # Until a byte of the reply goes out, a server found hung sends the request elsewhere.
         unless_hung = self.backend.liveness.unless_hung
         try:
@@ -148,7 +150,9 @@ class Keyed:
                 request,
                 self.backend.upstream,
                 adapter.upstream_path(path_qs),
-                adapter.pinned(with_reply_cap(conv.payload, self.reply_cap), slot.id),
+                adapter.pinned(
+                    with_reply_cap(sent(conv, prepared.decision), self.reply_cap), slot.id
+                ),
                 body_replaced=True,
                 extra_headers=prepared.headers(),
                 tap=capture.feed,

@@ -16,6 +16,7 @@ from dataclasses import replace
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.labels import own_state
+from kvproxy.cache.loras import before_restore
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import Decision, Move, expected_resident
 from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
@@ -35,6 +36,8 @@ log = logging.getLogger("kvproxy.cache")
 # request, never a wrong answer (the server compares tokens); checking costs a round trip on
 # every request. Slot actions always check first.
 SNAPSHOT_TRUST = 1.0
+# Entries tried for one request when the server refuses them (another KV layout saved them).
+RESTORE_TRIES = 3
 
 
 class Preparer:
@@ -140,7 +143,7 @@ class Preparer:
             resident=resident,
             held_depth=held_depth,
             stored=found.best[1] if found.best is not None else None,
-            restores_allowed=self.ctx.guard.allows(conv.namespace),
+            restores_allowed=found.best is None or self.reuse.restorable(found.best[0]),
             worth_saving=self.work.worth_saving(slot),
             held_opening=False,
             stem=found.stem,
@@ -161,10 +164,21 @@ class Preparer:
     async def _restore(
         self, slot: Slot, conv: Conversation, found: Found, verified: bool
     ) -> Prepared:
-        assert found.best is not None
-        entry, shared = found.best
-        outcome = await self.work.restore(slot, entry)
-        if outcome is None:
+        for _ in range(RESTORE_TRIES):
+            if not self.backend.disk_enabled:
+                return MISS  # the server was found started again: nothing restored before
+            assert found.best is not None
+            entry, shared = found.best
+            await before_restore(self.work.client, slot, conv)
+            outcome = await self.work.restore(slot, entry)
+            if outcome is not None:
+                break
+            # Refused (kept for the layout that saved it: refused.py) or dropped: the slot
+            # is empty now, and the next best entry may be one this server takes.
+            found = await self.reuse.find(conv)
+            if found.best is None or found.stem:
+                return MISS
+        else:
             return MISS
         if not self.ctx.habits.echo.known(conv.namespace):
             self.ctx.background.spawn(self.learner.from_disk(entry, shared, conv))
@@ -180,6 +194,7 @@ class Preparer:
             outcome.ms,
             expected_n=expected,
             evaluated=evaluated,
+            restored_from=(entry.key, self.reuse.older(entry)),
         )
 
     def _resident(self, slot: Slot, conv: Conversation, plan: Plan, resident: int) -> Prepared:

@@ -25,6 +25,8 @@ class Prepared:
     # Tokens kvproxy had the server evaluate for the request before forwarding it (an
     # opening to save on the way): the reply's cache_n counts them, prefilled meanwhile.
     evaluated: int = 0
+    # The entry restored: (its key, saved before the server's current start) for the guard.
+    restored_from: tuple[str, bool] | None = None
 
     def headers(self) -> dict[str, str]:
         out = {"X-KVProxy-Cache": self.decision.value}

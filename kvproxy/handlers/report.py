@@ -17,7 +17,7 @@ from typing import Any
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count, RequestEvent
-from kvproxy.cache.explain import explain_against, why_weak
+from kvproxy.cache.explain import explain_against, wasted_hint, why_weak
 from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.stems import Stems
@@ -96,7 +96,7 @@ class Report:
         cache_n = _int_or_none(timings.get("cache_n"))
         prompt_n = _int_or_none(timings.get("prompt_n"))
         if prepared.decision is Decision.RESTORED:
-            self._judge_restore(conv.namespace, prepared.expected_n, cache_n, prompt_n)
+            self._judge_restore(conv.namespace, prepared, cache_n, prompt_n)
         event = self._event(route, slot, conv, prepared, status, timed)
         # What came from a cache: not the tokens kvproxy had evaluated on the way.
         event.cache_n = None if cache_n is None else max(0, cache_n - prepared.evaluated)
@@ -120,20 +120,23 @@ class Report:
             self.events.request(event)
 
     def _judge_restore(
-        self, namespace: str, expected: int | None, cache_n: int | None, prompt_n: int | None
+        self, namespace: str, prepared: Prepared, cache_n: int | None, prompt_n: int | None
     ) -> None:
-        verdict = judge_restore(expected, cache_n, prompt_n)
+        verdict = judge_restore(prepared.expected_n, cache_n, prompt_n)
         if verdict is RestoreVerdict.WASTED:
             self.events.count(Count.WASTED_RESTORE)
-        if self.guard.record(namespace, verdict):
+        if prepared.restored_from is None:
+            return
+        key, older = prepared.restored_from
+        swa_full = self.backend.fingerprint.swa_full if self.backend.fingerprint else None
+        if self.guard.record(self.backend.life, namespace, key, older, verdict):
             log.warning(
                 "llama-server reused none of %s restored tokens (cache_n=%s), %d times in a "
-                "row: kvproxy stops restoring for this model. Sliding-window models (Gemma, "
-                "gpt-oss) need llama-server --swa-full; recurrent and hybrid models reuse a "
-                "restore only when the next prompt extends it exactly.",
-                expected,
+                "row: %s",
+                prepared.expected_n,
                 cache_n,
                 self.guard.limit,
+                wasted_hint(self.backend.model_info, swa_full, older),
             )
 
     async def _explained(

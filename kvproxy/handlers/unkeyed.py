@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from kvproxy import keys
 from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
@@ -52,6 +53,9 @@ class Unkeyed:
             slot.forget()
             if not await lease.guarded(self._admit([slot], request)):
                 return unreachable_response()
+            scales = self.backend.identity.lora_scales(payload)
+            if scales:  # named in full: the server clears a slot last used with others
+                payload = {**payload, "lora": keys.lora_body(scales)}
             body = orjson.dumps({**payload, "id_slot": slot.id})
             return (await self.relay_bypass(request, path_qs, body)).response
         finally:

@@ -15,6 +15,8 @@ def backend_state(lane: Lane) -> dict[str, Any]:
         "model": backend.model_name,
         "enabled": backend.enabled,
         "down": str(backend.down) if backend.down is not None else None,
+        # A file the server loaded changed on disk: saves and restores wait for its restart.
+        "disk_paused": backend.doubt,
         "model_class": backend.model_class,
         "slots": len(backend.pool.slots),
         "queue_waiting": backend.pool.waiting,

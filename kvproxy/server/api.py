@@ -144,6 +144,13 @@ class LlamaClient:
             raise UpstreamError(f"GET /props answered {_short(res)}")
         return res
 
+    async def lora_adapters(self) -> list[dict[str, Any]]:
+        """GET /lora-adapters: each adapter the server loaded (`id`, `path`, `scale`)."""
+        res = await self._get("/lora-adapters")
+        if not isinstance(res, list):
+            raise UpstreamError(f"GET /lora-adapters answered {_short(res)}")
+        return [a for a in res if isinstance(a, dict)]
+
     async def slots(self) -> list[SlotInfo]:
         res = await self._get("/slots")
         if not isinstance(res, list):
@@ -214,17 +221,24 @@ class LlamaClient:
             raise UpstreamError(f"/tokenize answered {_short(res)}")
         return tokens
 
-    async def evaluate(self, slot_id: int, tokens: list[int] | str) -> dict[str, Any]:
+    async def evaluate(
+        self, slot_id: int, tokens: list[int] | str, lora: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """Make the slot hold exactly `tokens` (reusing what it already shares with them; a
         string is tokenised as prompts are, BOS first), generating nothing; returns the
-        reply's `timings`. No deadline: a prefill takes what the server's speed needs
-        (minutes for 10k tokens on a slow CPU), and the server goes on computing whatever
-        kvproxy does."""
-        res = await self._post(
-            "/completion",
-            {"prompt": tokens, "n_predict": 0, "id_slot": slot_id, "cache_prompt": True},
-            None,
-        )
+        reply's `timings`. `lora`: the adapters' scales the tokens are computed with (every
+        adapter named: the server clears a slot last used with others). No deadline: a
+        prefill takes what the server's speed needs (minutes for 10k tokens on a slow CPU),
+        and the server goes on computing whatever kvproxy does."""
+        body: dict[str, Any] = {
+            "prompt": tokens,
+            "n_predict": 0,
+            "id_slot": slot_id,
+            "cache_prompt": True,
+        }
+        if lora is not None:
+            body["lora"] = lora
+        res = await self._post("/completion", body, None)
         timings = res.get("timings") if isinstance(res, dict) else None
         return timings if isinstance(timings, dict) else {}
 

@@ -78,7 +78,9 @@ def resolve_model(model: str, models_dir: Path | None = None) -> Path:
     """A GGUF path; `default` assembles the bundled Gemma 3 270M once (it ships in chunks)."""
     models_dir = models_dir or default_models_dir()
     if model != BUNDLED_MODEL:
-        path = Path(model).expanduser()
+        # Absolute: the server reports the path it was given, which names the file for the
+        # fingerprint wherever it is read (server/fingerprint.py).
+        path = Path(model).expanduser().absolute()
         if not path.is_file():
             raise ServerError(f"--model {model}: no such file")
         return path

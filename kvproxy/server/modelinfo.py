@@ -100,58 +100,71 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """All metadata keys of a GGUF v2/v3 file. Arrays of strings or of more than
     `MAX_ARRAY` elements are returned as `None` (present, not decoded). Raises on bad files."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise GGUFFormatError("not a GGUF file")
-        (version,) = struct.unpack_from("<I", buf, 4)
-        end = "<" if version < 0x10000 else ">"  # big-endian files swap the version too
-        (version,) = struct.unpack_from(end + "I", buf, 4)
-        if version < 2:
-            raise GGUFFormatError(f"GGUF version {version} is not supported")
-        _n_tensors, n_kv = struct.unpack_from(end + "QQ", buf, 8)
-        pos = 24
-        out: dict[str, Any] = {}
+        return read_gguf_header(buf).meta
 
-        def string(pos: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from(end + "Q", buf, pos)
-            if pos + 8 + n > len(buf):
-                raise GGUFFormatError("truncated string")
-            return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
 
-        def value(kind: int, pos: int) -> tuple[Any, int]:
-            if kind == _STRING:
-                return string(pos)
-            fmt = _SCALARS.get(kind)
-            if fmt is None:
-                raise GGUFFormatError(f"unknown value type {kind}")
-            return struct.unpack_from(end + fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+@dataclass(frozen=True)
+class GGUFHeader:
+    meta: dict[str, Any]
+    n_tensors: int
+    kv_end: int  # where the tensor infos start
+    endian: str  # struct's byte order: "<" or ">"
 
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (kind,) = struct.unpack_from(end + "I", buf, pos)
-            pos += 4
-            if kind != _ARRAY:
-                out[key], pos = value(kind, pos)
-                continue
-            elem, count = struct.unpack_from(end + "IQ", buf, pos)
-            pos += 12
-            if elem == _STRING:
-                for _ in range(count):  # skip without decoding
-                    (n,) = struct.unpack_from(end + "Q", buf, pos)
-                    pos += 8 + n
-                out[key] = None
-            elif elem in _SCALARS:
-                size = struct.calcsize(_SCALARS[elem])
-                if count <= MAX_ARRAY:
-                    fmt = f"{end}{count}{_SCALARS[elem]}"
-                    out[key] = list(struct.unpack_from(fmt, buf, pos))
-                else:
-                    out[key] = None
-                pos += size * count
+
+def read_gguf_header(buf: Any) -> GGUFHeader:
+    """The metadata of a GGUF file mapped (or read) into `buf`, and where it ends."""
+    if buf[:4] != b"GGUF":
+        raise GGUFFormatError("not a GGUF file")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    end = "<" if version < 0x10000 else ">"  # big-endian files swap the version too
+    (version,) = struct.unpack_from(end + "I", buf, 4)
+    if version < 2:
+        raise GGUFFormatError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = struct.unpack_from(end + "QQ", buf, 8)
+    pos = 24
+    out: dict[str, Any] = {}
+
+    def string(pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from(end + "Q", buf, pos)
+        if pos + 8 + n > len(buf):
+            raise GGUFFormatError("truncated string")
+        return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+    def value(kind: int, pos: int) -> tuple[Any, int]:
+        if kind == _STRING:
+            return string(pos)
+        fmt = _SCALARS.get(kind)
+        if fmt is None:
+            raise GGUFFormatError(f"unknown value type {kind}")
+        return struct.unpack_from(end + fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from(end + "I", buf, pos)
+        pos += 4
+        if kind != _ARRAY:
+            out[key], pos = value(kind, pos)
+            continue
+        elem, count = struct.unpack_from(end + "IQ", buf, pos)
+        pos += 12
+        if elem == _STRING:
+            for _ in range(count):  # skip without decoding
+                (n,) = struct.unpack_from(end + "Q", buf, pos)
+                pos += 8 + n
+            out[key] = None
+        elif elem in _SCALARS:
+            size = struct.calcsize(_SCALARS[elem])
+            if count <= MAX_ARRAY:
+                fmt = f"{end}{count}{_SCALARS[elem]}"
+                out[key] = list(struct.unpack_from(fmt, buf, pos))
             else:
-                raise GGUFFormatError(f"unsupported array element type {elem}")
-            if pos > len(buf):
-                raise GGUFFormatError("truncated metadata")
-        return out
+                out[key] = None
+            pos += size * count
+        else:
+            raise GGUFFormatError(f"unsupported array element type {elem}")
+        if pos > len(buf):
+            raise GGUFFormatError("truncated metadata")
+    return GGUFHeader(out, n_tensors, pos, end)
 
 
 # --- classification

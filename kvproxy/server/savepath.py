@@ -84,6 +84,23 @@ async def probe_save_path(llama: LlamaClient, cache_dir: Path) -> Probe:
     return Probe(cache_dir, Landed.HERE if here else Landed.ELSEWHERE, name, saved.n_written)
 
 
+async def saves_elsewhere(llama: LlamaClient, slot_id: int, cache_dir: Path) -> bool:
+    """A save the server answered left no file in `cache_dir`: does it save elsewhere, or
+    was the file deleted before kvproxy committed it (a user, or another kvproxy sweeping
+    the dir)? A second save of the same slot (the caller's, idle) under a probe name tells.
+    Only a probe that lands elsewhere says so; one that fails says nothing."""
+    name = probe_name()
+    try:
+        await llama.save(slot_id, name, timeout=PROBE_TIMEOUT)
+    except UpstreamError:
+        return False
+    probe = cache_dir / name
+    here = await asyncio.to_thread(probe.exists)
+    if here:
+        await asyncio.to_thread(_unlink, probe)
+    return not here
+
+
 def probe_check(probe: Probe) -> tuple[Literal["ok", "warn", "fail"], str, str]:
     """`kvproxy doctor`'s verdict on a probe: status, what it found, the fix."""
     where = probe.cache_dir

@@ -34,6 +34,7 @@ import xxhash
 
 from kvproxy.keys import is_key
 from kvproxy.store.entry import Entry
+from kvproxy.store.owners import Owner, stale_temp
 
 log = logging.getLogger("kvproxy.store")
 
@@ -68,6 +69,7 @@ class StoreFiles:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.owner = Owner(root)  # taken by a proxy's open (owners.py)
 
     # --- names
 
@@ -75,9 +77,9 @@ class StoreFiles:
     def state_name(key: str) -> str:
         return f"{key}.kv"
 
-    @staticmethod
-    def temp_name(key: str) -> str:
-        return f"{key}.{secrets.token_hex(4)}{TMP_MARK}"
+    def temp_name(self, key: str) -> str:
+        """Carries this process's owner token: no other kvproxy's sweep deletes it."""
+        return f"{key}.{self.owner.token}-{secrets.token_hex(4)}{TMP_MARK}"
 
     def _idx_path(self, key: str) -> Path:
         return self.root / f"{key}{IDX_SUFFIX}"
@@ -100,19 +102,23 @@ class StoreFiles:
     def scan(self, known: Collection[str], sweep: bool, progress: Steps | None = None) -> Scanned:
         """One pass over the cache dir at start-up: read the `.idx` records of keys the index
         does not know (checking their files), and note indexed keys whose state file is gone.
-        With `sweep`, also delete what no row or record covers: temp files, files of keys
-        nobody committed, unreadable records and entries whose files do not check out."""
+        With `sweep`, also delete what no row or record covers (only what is stale while
+        another kvproxy uses the dir: owners.py): temp files, files of keys nobody
+        committed, unreadable records and entries whose files do not check out."""
         out = Scanned()
+        others = self.owner.others() if sweep else set()
         with os.scandir(self.root) as it:
             names = [de.name for de in it]
         by_key: dict[str, list[str]] = {}
         for name in names:
             key = name.split(".", 1)[0]
             if TMP_MARK in name:
-                if sweep and is_key(key):
+                if sweep and is_key(key) and stale_temp(name, self.owner.token, others):
                     _unlink(self.root / name)
             elif is_key(key):
                 by_key.setdefault(key, []).append(name[len(key) :])
+        if others:
+            sweep = False  # a file no row covers may be another kvproxy's save, committing
         todo = sum(1 for k, s in by_key.items() if IDX_SUFFIX in s and k not in known)
         read = 0
         for key, suffixes in by_key.items():
@@ -245,7 +251,7 @@ class StoreFiles:
 
     def _write_atomic(self, path: Path, key: str, data: bytes) -> None:
         """Temp file (swept at start-up if we die), fsync, rename: readers see all or nothing."""
-        tmp = self.root / f"{key}.{secrets.token_hex(4)}{TMP_MARK}{path.suffix}"
+        tmp = self.root / f"{self.temp_name(key)}{path.suffix}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             view = memoryview(data)

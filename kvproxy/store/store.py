@@ -149,6 +149,7 @@ class Store(OfflineStore):
             self._thread.call(self._close_local)
             self._thread.stop()
         self._close_local()
+        self.files.owner.release()
 
     def _close_local(self) -> None:
         db: IndexDB | None = getattr(self._local, "db", None)
@@ -348,6 +349,7 @@ class Store(OfflineStore):
 
     def _open_with_totals(self) -> tuple[list[tuple[str, str]], Totals]:
         db = self._conn()
+        self.files.owner.take()  # before the sweep: what it leaves alone of others' is theirs
         problems = self._open_in(db, sweep=True)
         return problems, db.totals()
 

@@ -46,6 +46,17 @@ class Conversation:
     # What this request may drop of the end of a slot's state and still go on from it,
     # rather than replace it (a chat's regenerated reply; an editor's next completion).
     tail: Tail = CHAT_TAIL
+    # The scale of each of the server's LoRA adapters for this request (keys.Identity), and
+    # whether they are the server's own (what a request naming none gets). Empty: none.
+    lora: tuple[float, ...] = ()
+    lora_default: bool = True
+
+    def lora_body(self) -> list[dict[str, Any]] | None:
+        """Every adapter named with its scale, for a body sent to the server: a request
+        naming no adapter leaves the slot's last setting in place (and its cache: a slot's
+        KV computed with another adapter would be reused), one naming them makes the server
+        clear the cache of a slot last used with other scales. None: no adapters."""
+        return keys.lora_body(self.lora) if self.lora else None
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ class WireAdapter(Protocol):
     route_pins: bool
 
     def read(
-        self, payload: dict[str, Any], model_identity: str, tenant: str | None
+        self, payload: dict[str, Any], model_identity: keys.Identity | str, tenant: str | None
     ) -> Conversation | NotKeyed: ...
 
     def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
@@ -129,24 +140,47 @@ class WireAdapter(Protocol):
 def keyed(
     payload: dict[str, Any],
     rendered: dict[str, Any],
-    model_identity: str,
+    model_identity: keys.Identity | str,
     tenant: str | None,
 ) -> Conversation | NotKeyed:
     """Key a request whose chat-form body, as the server renders it, is `rendered` (its
     `messages` keyed one by one, its prompt-shaping fields in the namespace); `payload` is
-    what goes to the server."""
+    what goes to the server (its `lora` in the namespace)."""
     messages = rendered.get("messages")
     if not isinstance(messages, list) or not messages:
         return NotKeyed("no messages")
     if several_slots(rendered):
         return NotKeyed("more than one completion (n, n_cmpl)", several_slots=True)
-    ns = keys.namespace(model_identity, rendered, tenant)
+    if "lora" in payload and not isinstance(payload["lora"], list):
+        return NotKeyed("lora is not a list")  # the server refuses it (400)
+    identity = keys.Identity.of(model_identity)
+    ns = keys.namespace(identity.for_request(payload), rendered, tenant)
     try:
         chain = keys.chain(ns, messages)
     except keys.UnkeyableRequest as exc:
         return NotKeyed(str(exc))
     template = keys.template_fields(rendered)
-    return Conversation(payload, ns, chain, messages, template, tenant)
+    conv = Conversation(payload, ns, chain, messages, template, tenant)
+    return with_lora_of(conv, identity, payload)
+
+
+def with_lora_of(
+    conv: Conversation, identity: keys.Identity, payload: Mapping[str, Any]
+) -> Conversation:
+    """`conv` with the adapter scales its request gets from the server (`payload`: the body
+    as it goes there)."""
+    conv.lora = identity.lora_scales(payload)
+    conv.lora_default = conv.lora == identity.lora_defaults
+    return conv
+
+
+def with_lora(payload: dict[str, Any], lora: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The payload naming every adapter (`lora`), or without a `lora` list (None)."""
+    if lora is not None:
+        return {**payload, "lora": lora}
+    if "lora" in payload:
+        return {k: v for k, v in payload.items() if k != "lora"}
+    return payload
 
 
 # Every field a client sets a reply's length with, on the routes kvproxy keys; the server

@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 
+from kvproxy import keys
 from kvproxy.wire import Conversation, NotKeyed, keyed
 from kvproxy.wire.capture import Reply, ReplyCapture
 
@@ -19,7 +20,7 @@ class ChatAdapter:
         self.keep_reasoning = keep_reasoning
 
     def read(
-        self, payload: dict[str, Any], model_identity: str, tenant: str | None
+        self, payload: dict[str, Any], model_identity: keys.Identity | str, tenant: str | None
     ) -> Conversation | NotKeyed:
         return keyed(payload, payload, model_identity, tenant)
 

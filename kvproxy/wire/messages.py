@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from kvproxy import keys
 from kvproxy.wire import Conversation, NotKeyed, keyed
 from kvproxy.wire.anthropic import NotConvertible, convert_message, to_chat
 from kvproxy.wire.capture import Reply, ReplyCapture
@@ -70,7 +71,7 @@ class MessagesAdapter:
     route_pins = False
 
     def read(
-        self, payload: dict[str, Any], model_identity: str, tenant: str | None
+        self, payload: dict[str, Any], model_identity: keys.Identity | str, tenant: str | None
     ) -> Conversation | NotKeyed:
         if "stop_sequences" in payload:
             # The reply names the stop sequence that matched; chat completions does not say.

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from kvproxy import keys
-from kvproxy.wire import Conversation, NotKeyed, Tail, several_slots
+from kvproxy.wire import Conversation, NotKeyed, Tail, several_slots, with_lora_of
 from kvproxy.wire.capture import CapturedBytes, Reply
 
 BLOCK_CHARS = 256
@@ -89,7 +89,7 @@ def _infill_text(payload: Mapping[str, Any]) -> str | None:
 
 
 def read_prompt(
-    kind: str, payload: Mapping[str, Any], model_identity: str, tenant: str | None
+    kind: str, payload: Mapping[str, Any], model_identity: keys.Identity | str, tenant: str | None
 ) -> Conversation | NotKeyed:
     """A prompt of `kind` ("completion" or "infill", PROMPT_ROUTES) as a conversation."""
     if several_slots(payload):
@@ -99,10 +99,14 @@ def read_prompt(
     text = _infill_text(payload) if kind == "infill" else _prompt_text(payload.get("prompt"))
     if not text:
         return NotKeyed("no single text prompt")
-    ns = keys.namespace(f"{model_identity}\0{kind}", {}, tenant)
+    if "lora" in payload and not isinstance(payload["lora"], list):
+        return NotKeyed("lora is not a list")  # the server refuses it (400)
+    identity = keys.Identity.of(model_identity)
+    ns = keys.namespace(f"{identity.for_request(payload)}\0{kind}", {}, tenant)
     chain = keys.chain(ns, _blocks(text))
     tail = NEAR_END if kind == "completion" else EXACT
-    return Conversation(dict(payload), ns, chain, [], {}, tenant, tail=tail)
+    conv = Conversation(dict(payload), ns, chain, [], {}, tenant, tail=tail)
+    return with_lora_of(conv, identity, payload)
 
 
 class PromptAdapter:
@@ -115,7 +119,7 @@ class PromptAdapter:
         self.kind = kind
 
     def read(
-        self, payload: dict[str, Any], model_identity: str, tenant: str | None
+        self, payload: dict[str, Any], model_identity: keys.Identity | str, tenant: str | None
     ) -> Conversation | NotKeyed:
         return read_prompt(self.kind, payload, model_identity, tenant)
 

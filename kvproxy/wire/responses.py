@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from kvproxy import keys
 from kvproxy.wire import Conversation, NotKeyed, keyed
 from kvproxy.wire.capture import CapturedBytes, Reply
 
@@ -258,7 +259,7 @@ class ResponsesAdapter:
         self.keep_reasoning = keep_reasoning
 
     def read(
-        self, payload: dict[str, Any], model_identity: str, tenant: str | None
+        self, payload: dict[str, Any], model_identity: keys.Identity | str, tenant: str | None
     ) -> Conversation | NotKeyed:
         try:
             chat = to_chat(payload)
