@@ -257,9 +257,14 @@ def real_server(shared_real_server: RealServer) -> RealServer:
     """The session's server with an empty cache dir: a proxy recalls the conversations it
     finds there that were used in the last minutes as live ones, so what an earlier test
     left would change this test's saves."""
-    for path in shared_real_server.cache_dir.iterdir():
+    empty_dir(shared_real_server.cache_dir)
+    return shared_real_server
+
+
+def empty_dir(directory: Path) -> None:
+    """Removes what a directory holds, the folders kvproxy keeps there too (owners/)."""
+    for path in directory.iterdir():
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return shared_real_server

@@ -20,7 +20,7 @@ import pytest
 from kvproxy_bench.fim import FimConfig, FimRequest, editing_session
 
 from . import ggufmodels
-from .conftest import RealServer, RunningProxy, start_proxy, start_real_server
+from .conftest import RealServer, RunningProxy, empty_dir, start_proxy, start_real_server
 
 pytestmark = pytest.mark.real
 
@@ -110,8 +110,7 @@ async def reuses_what_the_server_alone_reuses(server: RealServer, **proxy_opts: 
     direct = [int((await sdk_completion(server.url, a))["cache_n"]) for a in args]
     assert sum(direct) > 0
     await erase_slots(server.url)
-    for path in server.cache_dir.iterdir():
-        path.unlink()
+    empty_dir(server.cache_dir)
     proxy = await start_proxy(server.url, server.cache_dir, **proxy_opts)
     try:
         via = [int((await sdk_completion(proxy.url, a))["cache_n"]) for a in args]
@@ -162,8 +161,7 @@ async def test_a_returning_infill_is_cached_after_evictions_and_a_restart(
     fim_server: RealServer,
 ) -> None:
     await erase_slots(fim_server.url)
-    for path in fim_server.cache_dir.iterdir():
-        path.unlink()
+    empty_dir(fim_server.cache_dir)
 
     async def send(base: str, body: dict[str, Any]) -> dict[str, Any]:
         timings: dict[str, Any] = (await infill(base, body))["timings"]
