@@ -161,7 +161,7 @@ class FakeFronted(ProxyArm):
 async def test_big_runs_every_step_against_the_fake(tmp_path: Path) -> None:
     info = ModelInfo(Path("/m.gguf"), architecture="llama")
     env = BenchEnv(Path("/bin/false"), Path("/m.gguf"), info, tmp_path / "work", 1)
-    opts = BigOptions(sizes=(700,), slots=2, stream_tokens=24, max_tokens=4, min_tokens=64)
+    opts = BigOptions(sizes=(700,), slots=2, stream_tokens=24, max_tokens=4)
 
     def make(name: str, env: BenchEnv, slots: int, ctx: int, o: BigOptions) -> Arm:
         if name == KVPROXY:
@@ -182,7 +182,14 @@ async def test_big_runs_every_step_against_the_fake(tmp_path: Path) -> None:
         assert mine.cache_state == "restored" and mine.cached > 600
         assert mine.state_bytes > 0 and mine.cold_read_s > 0 and mine.warm_read_s > 0
     assert got[DIRECT_RAM_CACHE, "returning"].tokens == got[KVPROXY, "cold"].tokens
-    assert [a.what for a in point.actions] == ["save", "restore cold", "restore warm"]
+    assert [a.what for a in point.actions] == [
+        *("save", "restore cold", "restore warm", "save during a stream")
+    ]
+    assert set(point.prefill_rates) == {
+        f"{DIRECT_RAM_CACHE}, turn 1",
+        f"{KVPROXY}, turn 1",
+        "re-prefill",
+    }
     # The disk is measured at the first state size known: kvproxy's cold restore, here.
     assert point.disk is not None and point.disk.bytes == got[KVPROXY, "cold"].state_bytes
     assert {(s.arm, s.what) for s in point.streams} == {

@@ -57,7 +57,7 @@ ArmMaker = Callable[[str, BenchEnv, int, int, BigOptions], Arm]
 
 def make_big_arm(name: str, env: BenchEnv, slots: int, ctx: int, opts: BigOptions) -> Arm:
     if name == KVPROXY:
-        return ProxyArm(env, slots, ctx, ["--min-tokens", str(opts.min_tokens)])
+        return ProxyArm(env, slots, ctx, ["--min-tokens", str(opts.kvproxy_min_tokens)])
     return DirectArm(env, slots, ctx, ram_cache=name == DIRECT_RAM_CACHE)
 
 
@@ -97,7 +97,7 @@ class _Direct(Sized):
     async def ram_cache(self, arm: Arm) -> None:
         talk = Talk(self.convs)
         for conv in [A, *self.others]:
-            await self.turn(arm.url, talk, conv)
+            await self.turn(arm.url, talk, conv, arm=arm.name)
         self.returning.setdefault(arm.name, talk.next[A])
         await self.ask(arm.name, "returning", arm.url, talk.next[A])
 
@@ -110,7 +110,11 @@ class _Direct(Sized):
             messages = talk.next[A]
         talk.next[A] = messages
         url = arm.url
-        await self.ask(arm.name, "re-prefill", url, messages, id_slot=0, cache_prompt=False)
+        again, _ = await self.ask(
+            arm.name, "re-prefill", url, messages, id_slot=0, cache_prompt=False
+        )
+        if again.prompt_ms:
+            self.point.prefill_rates["re-prefill"] = again.tokens / again.prompt_ms * 1000
         await self.ask(arm.name, "resident", url, talk.asking(A, 1), id_slot=0)
         saved, wall = await self._action(url, 0, "save")
         n, size = int(saved.get("n_saved", 0)), int(saved.get("n_written", 0))
@@ -149,8 +153,11 @@ class _Direct(Sized):
         await first_or_done(first, task)
         await asyncio.sleep(0.3)
         started = time.perf_counter()
-        await self._action(arm.url, 0, "save")
+        saved, wall = await self._action(arm.url, 0, "save")
         window = Window("save", started, time.perf_counter())
+        n, size = int(saved.get("n_saved", 0)), int(saved.get("n_written", 0))
+        what = "save during a stream"
+        self.point.actions.append(Action(what, n, size, _ms(saved, "save_ms"), wall))
         loaded = await task
         run = StreamRun(arm.name, "with a save", loaded.times, [window], error=loaded.error)
         self.point.streams.append(run)

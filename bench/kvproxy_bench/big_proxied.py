@@ -54,7 +54,7 @@ class Proxied:
         run, talk, url = self.run, self.talk, self.arm.url
         self.rss.phase = "fill"
         for conv in [A, *run.others]:
-            await run.turn(url, talk, conv)
+            await run.turn(url, talk, conv, arm=KVPROXY)
         run.returning[KVPROXY] = talk.next[A]
         self.rss.phase = "cold return"
         await self._return("cold", cold=True)

@@ -23,8 +23,14 @@ class BigOptions:
     others_tokens: int = 8192  # the conversations that evict A: min(size, this) tokens
     max_tokens: int = 8  # every reply
     stream_tokens: int = 512  # the streams (ignore_eos), alone and with a save
-    min_tokens: int = 256  # kvproxy --min-tokens
+    # kvproxy --min-tokens; None: above the streams' length, so that the streams (the victims
+    # of the saves measured) are not saved themselves, while every conversation of the size is.
+    min_tokens: int | None = None
     arms: tuple[str, ...] = BIG_ARMS
+
+    @property
+    def kvproxy_min_tokens(self) -> int:
+        return self.min_tokens if self.min_tokens is not None else self.stream_tokens + 256
 
     def others(self, size: int) -> int:
         return min(size, self.others_tokens)
@@ -56,7 +62,7 @@ class Returning:
 class Action:
     """One of the server's own slot actions, called directly (the no-cache arm)."""
 
-    what: str  # "save", "restore cold", "restore warm"
+    what: str  # "save", "restore cold", "restore warm", "save during a stream"
     tokens: int
     bytes: int
     server_ms: float  # timings.save_ms / restore_ms
@@ -102,6 +108,8 @@ class SizePoint:
     others: int
     slots: int
     bytes_per_token: float = 0.0
+    # Tokens a second of A's cold prefills: its first turn in each arm, and the re-prefill.
+    prefill_rates: dict[str, float] = field(default_factory=dict)
     returning: list[Returning] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
     streams: list[StreamRun] = field(default_factory=list)

@@ -51,11 +51,17 @@ class Sized:
             for c in self.others:
                 self.convs[c] = await sized_conversation(self.client, url, self.point.others, c)
 
-    async def turn(self, url: str, talk: Talk, conv: int, max_tokens: int | None = None) -> str:
-        """A non-streamed turn; raises when it fails (what follows would mean nothing)."""
+    async def turn(
+        self, url: str, talk: Talk, conv: int, max_tokens: int | None = None, arm: str = ""
+    ) -> str:
+        """A non-streamed turn; raises when it fails (what follows would mean nothing). A's
+        first turn prices `arm`'s cold prefill."""
         reply = await self.client.chat(url, talk.next[conv], max_tokens or self.opts.max_tokens)
         if not reply.ok:
             raise RuntimeError(f"conversation {conv}, turn {talk.turns[conv]}: {reply.error}")
+        prompt_ms = float(reply.timings.get("prompt_ms", 0.0))
+        if arm and conv == A and talk.turns[conv] == 1 and prompt_ms:
+            self.point.prefill_rates[f"{arm}, turn 1"] = reply.prompt_n / prompt_ms * 1000
         progress(
             f"  conversation {conv} turn {talk.turns[conv]}: {reply.cache_n} cached, "
             f"{reply.prompt_n} prefilled, {reply.seconds:.1f} s {reply.cache_state}"
