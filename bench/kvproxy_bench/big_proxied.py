@@ -1,7 +1,8 @@
 """`big`'s kvproxy arm, step by step, with kvproxy's RSS sampled throughout: the others take
-every slot from A; A comes back cold, then (after the others came back) warm; a stream while
+every slot from A; A comes back cold right after them (kvproxy still saving them), then,
+after the others came back each time and kvproxy is idle, cold and warm; a stream while
 another conversation is restored and saved; SIGTERM with every slot holding a new turn, a
-restart; the bytes A's turns keep on disk."""
+restart; the bytes A's five turns keep on disk; every conversation back."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from kvproxy_bench.servers import _saved
 from kvproxy_bench.stalls import _counts
 
 NEWCOMER = [{"role": "user", "content": "Hello, a new conversation here."}]
+BUSY = "cold, busy"  # A's return right after the others' turns
 
 
 class Proxied:
@@ -55,19 +57,32 @@ class Proxied:
         self.rss.phase = "fill"
         for conv in [A, *run.others]:
             await run.turn(url, talk, conv, arm=KVPROXY)
+        self.rss.phase = "returns"
+        # Right after the others' turns, as an agent's next turn comes: kvproxy may still be
+        # saving them. Then twice more once kvproxy is idle: cold, and warm.
+        await self._return(BUSY, cold=True)
+        await self._evict_a()
         run.returning[KVPROXY] = talk.next[A]
-        self.rss.phase = "cold return"
         await self._return("cold", cold=True)
-        self.rss.phase = "warm return"
-        for conv in run.others:  # each takes the least recently used slot: A's, last
-            await run.turn(url, talk, conv)
+        await self._evict_a()
         await self._return("warm", cold=False)
         self.rss.phase = "streams"
         await self._streams(run.others[0])
         self.rss.phase = "shutdown"
-        await self._shutdown([A, *run.others][: run.opts.slots])
-        self.rss.phase = "kept"
+        convs = [A, *run.others][: run.opts.slots]
+        await self._shutdown(convs)
+        self.rss.phase = "after restart"
+        await self.arm.start()
+        await _cache_open(self.arm)
         await self._kept()
+        await self._back(convs)
+
+    async def _evict_a(self) -> None:
+        """The others come back, each into the least recently used slot (A's last), and
+        kvproxy saves what they leave."""
+        for conv in self.run.others:
+            await self.run.turn(self.arm.url, self.talk, conv)
+        await _saved(self.arm, 0)
 
     async def _return(self, what: str, cold: bool) -> Returning:
         """A comes back; with `cold`, after every state file left the page cache."""
@@ -117,8 +132,7 @@ class Proxied:
         )
 
     async def _shutdown(self, convs: list[int]) -> None:
-        """Each slot gets a turn (its state unsaved), then SIGTERM at once; a restart, and
-        every one of them comes back."""
+        """Each slot gets a turn (its state unsaved), then SIGTERM at once."""
         run, arm = self.run, self.arm
         out = ShutdownRun()
         self.point.shutdown = out
@@ -138,19 +152,21 @@ class Proxied:
         span = await asyncio.to_thread(big_log.read_span, arm.log_path, start)
         out.saves, out.lost = span.saves, span.lost
         progress(f"  SIGTERM: {out.seconds:.1f} s, {len(out.saves)} saves, lost: {out.lost}")
-        self.rss.phase = "after restart"
-        await arm.start()
-        await _cache_open(arm)
+
+    async def _back(self, convs: list[int]) -> None:
+        """After the restart, every conversation SIGTERM found in a slot comes back."""
+        shutdown = self.point.shutdown
+        assert shutdown is not None
         for conv in convs:
             what = f"after restart ({conv})"
-            back, got = await run.ask(KVPROXY, what, arm.url, self.talk.next[conv])
-            out.back.append(back)
+            back, got = await self.run.ask(KVPROXY, what, self.arm.url, self.talk.next[conv])
+            shutdown.back.append(back)
             if got.ok:
                 self.talk.heard(conv, got.content)
 
     async def _kept(self) -> None:
-        """A's states on disk once kvproxy has saved what it holds, against its newest."""
-        await _saved(self.arm, 0)
+        """A's states on disk after its five turns (the last saved at SIGTERM), against its
+        newest."""
         client, url = self.run.client, self.arm.url
         first = await client.prompt_tokens(url, self.run.convs[A])
         tokens = await client.prompt_tokens(url, self.talk.next[A])

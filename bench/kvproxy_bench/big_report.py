@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvproxy_bench.arms import DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY
 from kvproxy_bench.big_log import gib
+from kvproxy_bench.big_proxied import BUSY
 from kvproxy_bench.big_records import BigResult, Returning, SizePoint
 from kvproxy_bench.big_stream import gaps_ms, p50, p99
 from kvproxy_bench.big_targets import (
@@ -83,9 +84,10 @@ def _returning(pts: list[SizePoint]) -> str:
                 gib(state_of(p)) if state_of(p) else None,
                 _ttft(again),
                 _ttft(p.find(DIRECT_RAM_CACHE, "returning"), cached=True),
+                _ttft(p.find(KVPROXY, BUSY), cached=True),
                 _ttft(p.find(KVPROXY, "cold"), cached=True),
                 _ttft(p.find(KVPROXY, "warm"), cached=True),
-                fmt_x(speedup(p)),
+                f"{fmt_x(speedup(p, BUSY))} / {fmt_x(speedup(p))}" if speedup(p) else None,
                 rates or None,
             ]
         )
@@ -94,9 +96,10 @@ def _returning(pts: list[SizePoint]) -> str:
         "state",
         "no cache (re-prefill)",
         "server's RAM cache",
-        "kvproxy, cold file",
-        "kvproxy, warm file",
-        "re-prefill ÷ kvproxy cold",
+        "kvproxy, cold, right after the others",
+        "kvproxy, cold, idle",
+        "kvproxy, warm, idle",
+        "re-prefill ÷ kvproxy cold (after the others / idle)",
         "cold prefills, tok/s (A's turn 1 per arm)",
     ]
     return table(cols, rows)
@@ -146,8 +149,8 @@ def _scaled(read: float | None, size: int, other: int, seconds: float | None) ->
 def _added(pts: list[SizePoint]) -> str:
     rows = []
     for p in pts:
-        for what in ("cold", "warm"):
-            r, alone = p.find(KVPROXY, what), server_alone(p, what)
+        for what in (BUSY, "cold", "warm"):
+            r, alone = p.find(KVPROXY, what), server_alone(p, "warm" if what == "warm" else "cold")
             if r is None:
                 continue
             added = r.ttft_s - alone if alone and r.ttft_s else None
@@ -156,6 +159,7 @@ def _added(pts: list[SizePoint]) -> str:
                     tokens_of(p),
                     what,
                     fmt_t(alone),
+                    fmt_t(r.restore_ms / 1000) if r.cache_state == "restored" else r.cache_state,
                     fmt_t(r.ttfb_s),
                     fmt_t(r.ttft_s),
                     None if added is None else f"{added:+.2f} s",
@@ -164,9 +168,10 @@ def _added(pts: list[SizePoint]) -> str:
             )
     cols = [
         "tokens",
-        "file",
+        "return",
         "server alone: restore + request",
-        "kvproxy: first byte",
+        "kvproxy: its restore call",
+        "first byte",
         "first token",
         "added",
         "meanwhile (kvproxy's log)",
@@ -343,8 +348,9 @@ def plot(result: BigResult, path: Path) -> None:
     bars = [
         ("re-prefill (no cache)", DIRECT_NO_CACHE, "re-prefill", "tab:red"),
         ("server's RAM cache", DIRECT_RAM_CACHE, "returning", "tab:orange"),
-        ("kvproxy, cold file", KVPROXY, "cold", "tab:blue"),
-        ("kvproxy, warm file", KVPROXY, "warm", "tab:cyan"),
+        ("kvproxy, cold, right after the others", KVPROXY, BUSY, "tab:purple"),
+        ("kvproxy, cold, idle", KVPROXY, "cold", "tab:blue"),
+        ("kvproxy, warm, idle", KVPROXY, "warm", "tab:cyan"),
     ]
     width = 0.8 / len(bars)
     labels = [f"{tokens_of(p):,}\n{gib(state_of(p))}" for p in pts]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvproxy_bench.arms import DIRECT_NO_CACHE, KVPROXY
 from kvproxy_bench.big_log import LoggedSave, gib
+from kvproxy_bench.big_proxied import BUSY
 from kvproxy_bench.big_records import Action, BigResult, SizePoint, StreamRun
 from kvproxy_bench.big_stream import gaps_in, gaps_ms, p99
 from kvproxy_bench.targets import Check
@@ -60,8 +61,10 @@ def state_of(point: SizePoint) -> int:
     return save.bytes if save is not None else 0
 
 
-def speedup(point: SizePoint) -> float | None:
-    again, cold = point.find(DIRECT_NO_CACHE, "re-prefill"), point.find(KVPROXY, "cold")
+def speedup(point: SizePoint, what: str = "cold") -> float | None:
+    """Re-prefill TTFT over kvproxy's, for its return `what` ("cold": kvproxy idle, BUSY:
+    right after the others' turns)."""
+    again, cold = point.find(DIRECT_NO_CACHE, "re-prefill"), point.find(KVPROXY, what)
     return ratio_of(again.ttft_s, cold.ttft_s) if again and cold and not cold.error else None
 
 
@@ -111,14 +114,16 @@ def checks(result: BigResult) -> list[Check]:
     out = []
     for p in result.points:
         n = f"{tokens_of(p):,} tokens"
-        speed = speedup(p)
-        out.append(
-            Check(
-                f"big: returning TTFT ≥ {TTFT_TARGET:.0f}× faster than re-prefill (at 8k), {n}",
-                fmt_x(speed) or "—",
-                None if speed is None or p.size < TTFT_TARGET_AT else speed >= TTFT_TARGET,
+        for what, when in (("cold", "kvproxy idle"), (BUSY, "right after the others")):
+            speed = speedup(p, what)
+            out.append(
+                Check(
+                    f"big: returning TTFT ≥ {TTFT_TARGET:.0f}× faster than re-prefill (at 8k; "
+                    f"{when}), {n}",
+                    fmt_x(speed) or "—",
+                    None if speed is None or p.size < TTFT_TARGET_AT else speed >= TTFT_TARGET,
+                )
             )
-        )
         for what in ("cold", "warm"):
             v = restore_vs_disk(p, what)
             out.append(
