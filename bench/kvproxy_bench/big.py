@@ -58,7 +58,9 @@ ArmMaker = Callable[[str, BenchEnv, int, int, BigOptions], Arm]
 def make_big_arm(name: str, env: BenchEnv, slots: int, ctx: int, opts: BigOptions) -> Arm:
     if name == KVPROXY:
         return ProxyArm(env, slots, ctx, ["--min-tokens", str(opts.kvproxy_min_tokens)])
-    return DirectArm(env, slots, ctx, ram_cache=name == DIRECT_RAM_CACHE)
+    arm = DirectArm(env, slots, ctx, ram_cache=name == DIRECT_RAM_CACHE)
+    arm.log_path = arm.cache_dir.parent / f"{arm.cache_dir.name}.log"  # kept with --keep
+    return arm
 
 
 async def run_big(env: BenchEnv, opts: BigOptions, make_arm: ArmMaker = make_big_arm) -> BigResult:
@@ -110,12 +112,16 @@ class _Direct(Sized):
             messages = talk.next[A]
         talk.next[A] = messages
         url = arm.url
-        again, _ = await self.ask(
+        # Each measured request is a new turn after the slot's last reply, as kvproxy's
+        # returns are: the re-prefill, then resident, then after the server's own restore.
+        again, got = await self.ask(
             arm.name, "re-prefill", url, messages, id_slot=0, cache_prompt=False
         )
         if again.prompt_ms:
             self.point.prefill_rates["re-prefill"] = again.tokens / again.prompt_ms * 1000
-        await self.ask(arm.name, "resident", url, talk.asking(A, 1), id_slot=0)
+        talk.heard(A, got.content)
+        _, got = await self.ask(arm.name, "resident", url, talk.next[A], id_slot=0)
+        talk.heard(A, got.content)
         saved, wall = await self._action(url, 0, "save")
         n, size = int(saved.get("n_saved", 0)), int(saved.get("n_written", 0))
         self.point.actions.append(Action("save", n, size, _ms(saved, "save_ms"), wall))
@@ -126,12 +132,12 @@ class _Direct(Sized):
             self.point.disk = await asyncio.to_thread(disk_write, arm.cache_dir, size)
         await asyncio.to_thread(drop_from_page_cache, path)
         for what in ("restore cold", "restore warm"):
-            got, wall = await self._action(url, 1, "restore")
-            n = int(got.get("n_restored", 0))
-            self.point.actions.append(Action(what, n, size, _ms(got, "restore_ms"), wall))
+            got_, wall = await self._action(url, 1, "restore")
+            n = int(got_.get("n_restored", 0))
+            self.point.actions.append(Action(what, n, size, _ms(got_, "restore_ms"), wall))
             if what == "restore cold":
                 after, _ = await self.ask(
-                    arm.name, "after its restore", url, talk.asking(A, 2), id_slot=1
+                    arm.name, "after its restore", url, talk.next[A], id_slot=1
                 )
                 after.restore_ms, after.state_bytes = wall * 1000, size
                 after.cold_read_s, after.warm_read_s = cold, warm

@@ -9,7 +9,7 @@ from typing import Any
 from kvproxy_bench.big_records import A, BigOptions, Returning, SizePoint
 from kvproxy_bench.big_stream import Streamed, stream
 from kvproxy_bench.client import Client
-from kvproxy_bench.dialogues import next_turn, question
+from kvproxy_bench.dialogues import next_turn
 from kvproxy_bench.report import progress
 from kvproxy_bench.restore import sized_conversation
 from kvproxy_bench.stalls import stream_messages
@@ -25,10 +25,6 @@ class Talk:
     def heard(self, conv: int, reply: str) -> None:
         self.turns[conv] += 1
         self.next[conv] = next_turn(self.next[conv], reply, self.turns[conv])
-
-    def asking(self, conv: int, k: int) -> list[dict[str, Any]]:
-        """The next request with another question: the same history, a different end."""
-        return [*self.next[conv][:-1], {"role": "user", "content": question(20 + k)}]
 
 
 class Sized:
