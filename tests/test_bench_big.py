@@ -9,12 +9,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 from kvproxy_bench import big_log, big_report
 from kvproxy_bench.arms import DIRECT_NO_CACHE, DIRECT_RAM_CACHE, KVPROXY, Arm, BenchEnv, ProxyArm
 from kvproxy_bench.big import BIG_ARM_FLAGS, BigOptions, make_big_arm, run_big
 from kvproxy_bench.big_disk import disk_write, files_of, restored_file, state_tokens
 from kvproxy_bench.big_proxied import BUSY
+from kvproxy_bench.big_records import result_from_json
 from kvproxy_bench.big_stream import ActionWatch, Window, gaps_in
 from kvproxy_bench.command import arms_of
 from kvproxy_fake.state import encode_state
@@ -207,6 +209,8 @@ async def test_big_runs_every_step_against_the_fake(tmp_path: Path) -> None:
     assert kept is not None and kept.turns == 5 and kept.files >= 1
     assert kept.newest_bytes <= kept.bytes <= kept.dir_bytes
 
+    again = result_from_json(orjson.loads(orjson.dumps(result.to_json())))
+    assert again.points == result.points  # a run's JSON prints the same tables again
     text = big_report.markdown(result)
     for heading in ("time to first token", "disk's own read", "SIGTERM", "five turns"):
         assert heading in text

@@ -131,3 +131,39 @@ class BigResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"options": self.options, "points": [asdict(p) for p in self.points]}
+
+
+def result_from_json(data: dict[str, Any]) -> BigResult:
+    """A run's `benchmarks.json` "big" section back as records (to print its tables again
+    with `big_report`)."""
+    points = []
+    for raw in data["points"]:
+        p = dict(raw)
+        shutdown = p.get("shutdown")
+        if shutdown is not None:
+            shutdown = ShutdownRun(
+                **{
+                    **shutdown,
+                    "saves": [LoggedSave(**s) for s in shutdown["saves"]],
+                    "back": [Returning(**r) for r in shutdown["back"]],
+                }
+            )
+        streams = [
+            StreamRun(**{**s, "windows": [Window(**w) for w in s["windows"]]}) for s in p["streams"]
+        ]
+        points.append(
+            SizePoint(
+                **{
+                    **p,
+                    "returning": [Returning(**r) for r in p["returning"]],
+                    "actions": [Action(**a) for a in p["actions"]],
+                    "streams": streams,
+                    "saves": [LoggedSave(**s) for s in p["saves"]],
+                    "disk": DiskWrite(**p["disk"]) if p.get("disk") else None,
+                    "shutdown": shutdown,
+                    "kept": Kept(**p["kept"]) if p.get("kept") else None,
+                    "rss": [RssSample(**s) for s in p["rss"]],
+                }
+            )
+        )
+    return BigResult(options=data["options"], points=points)

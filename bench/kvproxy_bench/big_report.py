@@ -71,7 +71,7 @@ def _ttft(r: Returning | None, cached: bool = False) -> str | None:
 
 
 def _returning(pts: list[SizePoint]) -> str:
-    rows = []
+    rows, ratios = [], []
     for p in pts:
         again = p.find(DIRECT_NO_CACHE, "re-prefill")
         rates = ", ".join(
@@ -84,25 +84,41 @@ def _returning(pts: list[SizePoint]) -> str:
                 gib(state_of(p)) if state_of(p) else None,
                 _ttft(again),
                 _ttft(p.find(DIRECT_RAM_CACHE, "returning"), cached=True),
+                _ttft(p.find(DIRECT_NO_CACHE, "resident"), cached=True),
                 _ttft(p.find(KVPROXY, BUSY), cached=True),
                 _ttft(p.find(KVPROXY, "cold"), cached=True),
                 _ttft(p.find(KVPROXY, "warm"), cached=True),
-                f"{fmt_x(speedup(p, BUSY))} / {fmt_x(speedup(p))}" if speedup(p) else None,
+            ]
+        )
+        ratios.append(
+            [
+                tokens_of(p),
+                fmt_x(speedup(p, BUSY)),
+                fmt_x(speedup(p)),
+                fmt_x(speedup(p, "warm")),
+                fmt_x(speedup(p, "resident", DIRECT_NO_CACHE)),
                 rates or None,
             ]
         )
     cols = [
         "tokens",
         "state",
-        "no cache (re-prefill)",
+        "no cache: re-prefill",
         "server's RAM cache",
+        "server, still resident",
         "kvproxy, cold, right after the others",
         "kvproxy, cold, idle",
         "kvproxy, warm, idle",
-        "re-prefill ÷ kvproxy cold (after the others / idle)",
+    ]
+    ratio_cols = [
+        "tokens",
+        "re-prefill ÷ kvproxy: cold, right after the others",
+        "cold, idle",
+        "warm, idle",
+        "re-prefill ÷ resident (the ceiling)",
         "cold prefills, tok/s (A's turn 1 per arm)",
     ]
-    return table(cols, rows)
+    return table(cols, rows) + "\n\n" + table(ratio_cols, ratios)
 
 
 def _restores(pts: list[SizePoint]) -> str:

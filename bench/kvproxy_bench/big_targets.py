@@ -61,10 +61,11 @@ def state_of(point: SizePoint) -> int:
     return save.bytes if save is not None else 0
 
 
-def speedup(point: SizePoint, what: str = "cold") -> float | None:
-    """Re-prefill TTFT over kvproxy's, for its return `what` ("cold": kvproxy idle, BUSY:
-    right after the others' turns)."""
-    again, cold = point.find(DIRECT_NO_CACHE, "re-prefill"), point.find(KVPROXY, what)
+def speedup(point: SizePoint, what: str = "cold", arm: str = KVPROXY) -> float | None:
+    """Re-prefill TTFT over `arm`'s request `what` (kvproxy's "cold": kvproxy idle, BUSY:
+    right after the others' turns; the server alone's "resident": the ceiling, a new turn
+    on the slot that still holds the conversation)."""
+    again, cold = point.find(DIRECT_NO_CACHE, "re-prefill"), point.find(arm, what)
     return ratio_of(again.ttft_s, cold.ttft_s) if again and cold and not cold.error else None
 
 
