@@ -43,7 +43,8 @@ def markdown(result: BigResult) -> str:
         "restore time; the server alone restores its own save of the same size, server ÷ disk "
         "scales the read to its size)",
         _restores(pts),
-        "What kvproxy adds to the server alone (its restore call, then the request)",
+        "What kvproxy adds to the server's own restore (the server alone restoring its save of "
+        "the same size: `timings.restore_ms`), and what the request met meanwhile",
         _added(pts),
         "Saves against the disk's write of the same size",
         _saves(pts),
@@ -166,30 +167,35 @@ def _added(pts: list[SizePoint]) -> str:
     rows = []
     for p in pts:
         for what in (BUSY, "cold", "warm"):
-            r, alone = p.find(KVPROXY, what), server_alone(p, "warm" if what == "warm" else "cold")
+            r = p.find(KVPROXY, what)
+            kind = "warm" if what == "warm" else "cold"
+            own = action(p, f"restore {kind}")
             if r is None:
                 continue
-            added = r.ttft_s - alone if alone and r.ttft_s else None
+            server_s = own.server_ms / 1000 if own is not None and own.server_ms else None
+            added = r.ttfb_s - server_s if server_s and r.ttfb_s else None
             rows.append(
                 [
                     tokens_of(p),
                     what,
-                    fmt_t(alone),
+                    fmt_t(server_s),
                     fmt_t(r.restore_ms / 1000) if r.cache_state == "restored" else r.cache_state,
                     fmt_t(r.ttfb_s),
-                    fmt_t(r.ttft_s),
                     None if added is None else f"{added:+.2f} s",
+                    fmt_t(r.ttft_s),
+                    fmt_t(server_alone(p, kind)),
                     "; ".join(r.waited) or "nothing logged",
                 ]
             )
     cols = [
         "tokens",
         "return",
-        "server alone: restore + request",
+        "server alone: its restore",
         "kvproxy: its restore call",
         "first byte",
+        "first byte − server's restore",
         "first token",
-        "added",
+        "server alone: restore + new turn",
         "meanwhile (kvproxy's log)",
     ]
     return table(cols, rows)
