@@ -183,6 +183,9 @@ def _added(pts: list[SizePoint]) -> str:
                     fmt_t(r.ttfb_s),
                     None if added is None else f"{added:+.2f} s",
                     fmt_t(r.ttft_s),
+                    f"{fmt_t(r.prompt_ms / 1000)} ({r.tokens - r.cached} tokens)"
+                    if r.prompt_ms
+                    else None,
                     fmt_t(server_alone(p, kind)),
                     "; ".join(r.waited) or "nothing logged",
                 ]
@@ -195,6 +198,7 @@ def _added(pts: list[SizePoint]) -> str:
         "first byte",
         "first byte − server's restore",
         "first token",
+        "of which its new tokens' prefill",
         "server alone: restore + new turn",
         "meanwhile (kvproxy's log)",
     ]
