@@ -226,3 +226,11 @@ async def test_big_runs_every_step_against_the_fake(tmp_path: Path) -> None:
 def test_each_arm_is_made_with_the_runs_slots(flag: list[str]) -> None:
     args = build_parser().parse_args(["bench", "big", *flag])
     assert args.slots in (None, 4)
+
+
+def test_a_slot_holds_the_returning_conversations_six_turns() -> None:
+    """A 16k conversation came out 16,641 tokens from its probes and grew ~70 tokens a turn:
+    its sixth request must still fit its slot."""
+    opts = BigOptions()
+    for size, sized in ((2048, 2143), (8192, 8268), (16384, 16641)):
+        assert opts.ctx_per_slot(size) >= sized + 6 * 70

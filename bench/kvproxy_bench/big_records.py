@@ -36,7 +36,9 @@ class BigOptions:
         return min(size, self.others_tokens)
 
     def ctx_per_slot(self, size: int) -> int:
-        need = max(size, self.stream_tokens) + 512  # five turns of A, the stream's prompt
+        # A is sized from two probes (it may come out a few % long), then takes six turns of
+        # ~70 tokens (a reply, a question); the streams' prompts are short.
+        need = max(size + size // 16, self.stream_tokens) + 1024
         return -(-need // 256) * 256
 
 
