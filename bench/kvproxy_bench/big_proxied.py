@@ -135,7 +135,6 @@ class Proxied:
         """Each slot gets a turn (its state unsaved), then SIGTERM at once."""
         run, arm = self.run, self.arm
         out = ShutdownRun()
-        self.point.shutdown = out
         await asyncio.gather(*(run.turn(arm.url, self.talk, c) for c in convs))
         per_token = self.point.bytes_per_token or await asyncio.to_thread(_per_token, arm)
         held = [s for s in (await arm.stats())["slots"] if s.get("n_tokens")]
@@ -145,6 +144,7 @@ class Proxied:
         out.unsaved_bytes = int(sum(s["n_tokens"] for s in unsaved) * per_token)
         start = await asyncio.to_thread(big_log.offset, arm.log_path)
         process = arm.proc.process
+        self.point.shutdown = out  # recorded once there is a SIGTERM to time
         started = time.perf_counter()
         await arm.stop()
         out.seconds = time.perf_counter() - started

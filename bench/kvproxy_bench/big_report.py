@@ -116,7 +116,7 @@ def _returning(pts: list[SizePoint]) -> str:
         "re-prefill ÷ kvproxy: cold, right after the others",
         "cold, idle",
         "warm, idle",
-        "re-prefill ÷ resident (the ceiling)",
+        "re-prefill ÷ server resident",
         "cold prefills, tok/s (A's turn 1 per arm)",
     ]
     return table(cols, rows) + "\n\n" + table(ratio_cols, ratios)
