@@ -135,6 +135,9 @@ class DirectArm(Arm):
         self.ram_cache = ram_cache
         self.cache_ram_mib = cache_ram_mib
         self.cache_dir = env.new_dir("ram" if ram_cache else "nocache")
+        # Where the server's own lines go (None: kvproxy's "llama-server" logger, which the
+        # bench silences).
+        self.log_path: Path | None = None
         self.server: ManagedServer | None = None
         self.url = ""
 
@@ -158,7 +161,7 @@ class DirectArm(Arm):
     async def start(self) -> None:
         await asyncio.to_thread(self.cache_dir.mkdir, 0o700, True, True)
         port = free_port()
-        self.server = ManagedServer(self.command(port), port)
+        self.server = ManagedServer(self.command(port), port, log_path=self.log_path)
         await self.server.start(self.env.start_timeout)
         self.url = self.server.url
 

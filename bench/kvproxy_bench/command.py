@@ -1,5 +1,5 @@
 """`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical,
-servers, swaps, fleet, stalls, shared and fim (not in `all`). The flags are defined in
+servers, swaps, fleet, stalls, shared, fim and big (not in `all`). The flags are defined in
 kvproxy/cli/bench.py (parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvproxy.cli.bench import BIG_MODEL
+from kvproxy.server.managed import default_models_dir
 from kvproxy_bench import agents, load, overhead, restore, targets, workload
 from kvproxy_bench.arms import ARM_FLAGS, BenchEnv
 from kvproxy_bench.report import header, header_lines, progress, write_json
@@ -77,6 +79,12 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, main.cancel)
     workdir = args.workdir or Path(await asyncio.to_thread(tempfile.mkdtemp, "", "kvproxy-bench-"))
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
+    if args.model == BIG_MODEL:
+        from kvproxy_bench.ggufmodels import big_model_file
+
+        args.model = str(await asyncio.to_thread(big_model_file, default_models_dir()))
+    if getattr(args, "kv_type", None):
+        args.server_args = [*args.server_args, "-ctk", args.kv_type, "-ctv", args.kv_type]
     env = await asyncio.to_thread(
         BenchEnv.create, workdir, args.model, args.server_bin, args.threads, args.server_args
     )
@@ -166,6 +174,19 @@ async def _run(args: argparse.Namespace) -> int:
                     kopts.sizes = _sizes(args)
                 res = await canonical.run_canonical(env, kopts)
                 text = canonical.markdown(res)
+            elif name == "big":
+                from kvproxy_bench import big, big_report
+
+                bopts = big.BigOptions(
+                    **_given(args, "slots", "others_tokens", "stream_tokens", "max_tokens")
+                )
+                if args.sizes:
+                    bopts.sizes = _sizes(args)
+                if args.arms is not None:
+                    bopts.arms = arms_of(args.arms, big.BIG_ARM_FLAGS)
+                res = await big.run_big(env, bopts)
+                text = big_report.markdown(res)
+                checks += big_report.checks(res)
             elif name == "servers":
                 from kvproxy_bench import servers
 
@@ -258,6 +279,11 @@ def write_outputs(out: Path, head: dict[str, Any], results: dict[str, Any]) -> N
     if "restore" in results:
         restore.plot(results["restore"], out / "img" / "restore.png")
         images["restore"] = "img/restore.png"
+    if "big" in results:
+        from kvproxy_bench import big_report
+
+        big_report.plot(results["big"], out / "img" / "big.png")
+        images["big"] = "img/big.png"
     (out / "benchmarks.md").write_text(document(head, results, images), encoding="utf-8")
     write_json(
         out / "benchmarks.json",

@@ -133,6 +133,16 @@ def document(head: dict[str, Any], results: dict[str, Any], images: dict[str, st
         checks += targets.load_checks(r)
     if "canonical" in results:
         parts.append("## Canonical prefix\n\n" + canonical.markdown(results["canonical"]))
+    if "big" in results:
+        from kvproxy_bench import big, big_report
+
+        text = f"## big: states of an 8B model's size\n\n{big.__doc__}\n" + big_report.markdown(
+            results["big"]
+        )
+        if "big" in images:
+            text += f"\n\n![Returning TTFT and restore throughput]({images['big']})"
+        parts.append(text)
+        checks += big_report.checks(results["big"])
     if "agents" in results:
         parts.append(agents.METHOD + "\n" + agents.markdown(results["agents"]))
         checks += agents.checks(results["agents"])

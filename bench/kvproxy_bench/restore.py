@@ -118,9 +118,15 @@ async def run_restore(env: BenchEnv, opts: RestoreOptions) -> RestoreResult:
 
 
 async def _conversation(client: Client, url: str, size: int) -> list[dict[str, Any]]:
-    """A first turn of about `size` tokens: the tokens a fact costs depend on the tokenizer,
-    so they are measured on the server (two probes) instead of guessed."""
-    conv = 40 + size.bit_length()  # one per size; two digits, like the workload's
+    # One conversation per size; two digits, like the workload's.
+    return await sized_conversation(client, url, size, 40 + size.bit_length())
+
+
+async def sized_conversation(
+    client: Client, url: str, size: int, conv: int
+) -> list[dict[str, Any]]:
+    """Conversation `conv`'s first turn at about `size` tokens: the tokens a fact costs depend
+    on the tokenizer, so they are measured on the server (two probes) instead of guessed."""
     n20 = len(await client.prompt_tokens(url, first_turn(conv, 20)))
     n40 = len(await client.prompt_tokens(url, first_turn(conv, 40)))
     per_fact = (n40 - n20) / 20

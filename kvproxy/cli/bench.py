@@ -12,6 +12,9 @@ import argparse
 from pathlib import Path
 
 MAX_CTX = 8192  # restore and all: the largest size (1k, 2k, … up to it)
+# `bench big`'s default model: a random-weight GGUF with an 8B's KV geometry, written once
+# into kvproxy's models dir (kvproxy_bench.ggufmodels).
+BIG_MODEL = "big"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -167,13 +170,32 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--sizes", default=None, help="comma-separated sizes (1024,4096,8192)")
     p.add_argument("--repeats", type=int)
 
+    p = scenarios.add_parser(
+        "big", help="an 8B model's KV size (128 KiB a token): restores, saves, RSS, SIGTERM"
+    )
+    _common(p)
+    p.set_defaults(model=BIG_MODEL)
+    p.add_argument("--sizes", default=None, help="comma-separated tokens (default 2048)")
+    p.add_argument("--slots", type=int, help="S (default 2)")
+    p.add_argument("--others-tokens", type=int, help="the evicting conversations' cap (8192)")
+    p.add_argument("--stream-tokens", type=int, help="the streams' length (default 512)")
+    p.add_argument("--max-tokens", type=int, help="reply length (default 8)")
+    p.add_argument(
+        "--kv-type", default=None, help="KV cache type of every server (-ctk/-ctv), e.g. q8_0"
+    )
+    p.add_argument("--arms", help="comma-separated: ram-cache, kvproxy, no-cache")
+
     p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="restore: largest size")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="GGUF path (default: bundled Gemma 3 270M)")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="GGUF path (default: bundled Gemma 3 270M; big: the 8B-geometry model)",
+    )
     p.add_argument("--server-bin", type=Path, default=None, help="llama-server binary")
     p.add_argument("--threads", type=int, default=None, help="llama-server --threads (all cores)")
     p.add_argument("--out", type=Path, default=None, help="write benchmarks.md, img/, json here")
