@@ -165,10 +165,11 @@ class Warmer:
                 # Asleep, the server emptied its slots; a save would wake it for nothing.
                 slot.forget()
                 return
-            await self.work.verify(slot)
-            saved = await self.work.save_if_worth(
-                slot, background=True, give_way=lambda: self._give_way(slot)
-            )
+            with self.gate.pace.timing():
+                await self.work.verify(slot)
+                saved = await self.work.save_if_worth(
+                    slot, background=True, give_way=lambda: self._give_way(slot)
+                )
         except (UpstreamError, OSError) as exc:
             log.debug("background save of slot %d: %s", slot.id, exc)
         finally:

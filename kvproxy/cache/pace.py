@@ -3,18 +3,22 @@ restores and replies: what a save will cost (moments.py: whether it is a big one
 shutdown: what fits in its deadline).
 
 A save's time is its state's bytes over the write speed of this server's recent saves (the
-state's bytes over the seconds from the save request to its commit); before any, an assumed
-150 MB/s, as MLX servers assume on an unknown filesystem. A state's bytes are its tokens
-times the bytes a token took in the server's last save or restore, else the model's own KV
-geometry at f16 (server/modelinfo.py), else not known. The token gap is the median time a
-token took in the server's recent replies (`timings.predicted_per_token_ms`).
+state's bytes over the seconds its save took: from the save request to its commit, or, for
+the saves kvproxy times whole, from the slot's check through its canonical prefix to the
+commit); before any, an assumed 150 MB/s, as MLX servers assume on an unknown filesystem. A
+state's bytes are its tokens times the bytes a token took in the server's last save or
+restore, else the model's own KV geometry at f16 (server/modelinfo.py), else not known. The
+token gap is the median time a generated token took in the server's recent replies of 16
+tokens or more (`timings.predicted_ms / predicted_n`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvproxy.cache.events import Events, SlotActionEvent
@@ -25,8 +29,9 @@ WINDOW = 8
 # Every save counts: a small one measures mostly latency, so the speed errs low, and so
 # does a save's estimate then (a save is found big sooner, a shutdown plans fewer saves).
 MIN_MEASURED_BYTES = 1
-# Replies that generated fewer tokens tell little of the gap between them.
-MIN_GAP_TOKENS = 4
+# Replies that generated fewer tokens tell little of the gap between them (the first token
+# after a prefill can take several times as long as the next ones).
+MIN_GAP_TOKENS = 16
 
 
 @dataclass
@@ -37,6 +42,20 @@ class Pace:
     _writes: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     _per_token: float = 0.0
     _gaps: deque[float] = field(default_factory=lambda: deque(maxlen=2 * WINDOW))
+    _saves: int = 0  # saves seen: a timed save measures its whole length when one came
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """A save whose whole length counts toward the write speed: the canonical prefix's
+        evaluation before the write, and the GET /slots before that, are what it costs too
+        (the save's own event times the write and the commit only)."""
+        began, saves = time.perf_counter(), self._saves
+        try:
+            yield
+        finally:
+            if self._saves == saves + 1 and self._writes:
+                size, _ = self._writes[-1]
+                self._writes[-1] = (size, time.perf_counter() - began)
 
     def acted(self, event: SlotActionEvent) -> None:
         """A save or restore on this server ended."""
@@ -46,6 +65,7 @@ class Pace:
             self._per_token = event.bytes / event.tokens
         if event.action == "save" and event.bytes >= MIN_MEASURED_BYTES and event.seconds > 0:
             self._writes.append((event.bytes, event.seconds))
+            self._saves += 1
 
     def replied(self, timings: dict[str, object]) -> None:
         """A reply's timings: the time a generated token took."""

@@ -134,9 +134,10 @@ class Prefetcher:
             if self._stop(slot):
                 return
             if self.work.worth_saving(slot):
-                saved = await self.work.save_if_worth(
-                    slot, background=True, give_way=lambda: self._stop(slot)
-                )
+                with self.gate.pace.timing():
+                    saved = await self.work.save_if_worth(
+                        slot, background=True, give_way=lambda: self._stop(slot)
+                    )
                 if not saved:
                     return
             if self._stop(slot) or any(s.working for s in self.pool.slots if s is not slot):

@@ -90,7 +90,7 @@ class SaveGate:
         waited = time.monotonic() - began
         if why:
             log.info("slot %d: its save waited %.2f s (%s)", slot.id, waited, why)
-        with self.holding(slot):
+        with self.holding(slot), self.pace.timing():
             yield
 
     async def until_changed(self, timeout: float | None) -> None:

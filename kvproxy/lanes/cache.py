@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -267,28 +267,21 @@ class ConversationCache:
             await asyncio.to_thread(self.store.close)
             return
         deadline = began + budget
+        several = len(self.lanes) > 1
+        saves = [
+            shutdown.ShutdownSaves(lane, deadline, f" on {lane.name}" if several else "")
+            for lane in lanes
+        ]
         # Every server at once: first the slots nobody uses, then, once the work under way
         # has ended, the others.
-        lost = await self._each(lanes, shutdown.save_idle, deadline)
+        lost = await _gathered(s.first() for s in saves)
         await self.background.wait(max(0.0, deadline - time.monotonic()))
-        lost += await self._each(lanes, shutdown.save_rest, deadline)
+        lost += await _gathered(s.rest() for s in saves)
         if lost:
             log.warning("not saved by the shutdown deadline, lost: %s", "; ".join(lost))
         await self.background.wait(1.0)
         await self.write_habits()
         await asyncio.to_thread(self.store.close)
-
-    async def _each(
-        self,
-        lanes: list[Lane],
-        step: Callable[[Lane, float, str], Awaitable[list[str]]],
-        deadline: float,
-    ) -> list[str]:
-        several = len(self.lanes) > 1
-        found = await asyncio.gather(
-            *(step(lane, deadline, f" on {lane.name}" if several else "") for lane in lanes)
-        )
-        return [name for names in found for name in names]
 
     async def write_habits(self) -> None:
         """Write what the clients were seen to do, when something new was learnt."""
@@ -348,3 +341,7 @@ class ConversationCache:
         gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
+
+
+async def _gathered(steps: Iterable[Awaitable[list[str]]]) -> list[str]:
+    return [name for names in await asyncio.gather(*steps) for name in names]

@@ -37,66 +37,76 @@ def rate(lane: Lane) -> str:
     return f"{pace.write_bytes_per_s / 1e6:.0f} MB/s {measured}"
 
 
-async def save_idle(lane: Lane, deadline: float, where: str) -> list[str]:
-    """The slots idle now whose state would be lost: those that fit, saved; the rest, named."""
-    idle = [s for s in lane.pool.slots if not s.busy and lane.work.worth_saving(s)]
-    return await _save_planned(lane, idle, deadline, where)
+class ShutdownSaves:
+    """One server's saves at shutdown: `first` the slots idle now, `rest` the slots that were
+    busy then, each once its work ended; each slot planned once."""
 
+    def __init__(self, lane: Lane, deadline: float, where: str) -> None:
+        self.lane, self.deadline, self.where = lane, deadline, where
+        self.busy: list[Slot] = []
 
-async def save_rest(lane: Lane, deadline: float, where: str) -> list[str]:
-    """The slots that were busy: each once its work ends (by the deadline), then as above."""
-    while any(s.busy for s in lane.pool.slots) and time.monotonic() < deadline:
-        await lane.gate.until_changed(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-    busy = [f"{unsaved(s)}{where}" for s in lane.pool.slots if s.busy]
-    idle = [s for s in lane.pool.slots if not s.busy and lane.work.worth_saving(s)]
-    return busy + await _save_planned(lane, idle, deadline, where)
+    async def first(self) -> list[str]:
+        """The slots idle now whose state would be lost: those that fit, saved; the rest,
+        named."""
+        self.busy = [s for s in self.lane.pool.slots if s.busy]
+        return await self._planned([s for s in self.lane.pool.slots if not s.busy])
 
+    async def rest(self) -> list[str]:
+        """The slots that were busy: once their work ends (by the deadline), as above."""
+        lane, deadline = self.lane, self.deadline
+        while any(s.busy for s in self.busy) and time.monotonic() < deadline:
+            await lane.gate.until_changed(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+        still = [f"{unsaved(s)}{self.where}" for s in self.busy if s.busy]
+        return still + await self._planned([s for s in self.busy if not s.busy])
 
-async def _save_planned(lane: Lane, slots: list[Slot], deadline: float, where: str) -> list[str]:
-    if not slots:
-        return []
-    candidates = [
-        Candidate(s.id, s.holding.n_tokens, lane.gate.save_seconds(s), s.last_used)
-        for s in slots
-        if s.holding is not None
-    ]
-    left = deadline - time.monotonic()
-    plan = plan_shutdown(candidates, left)
-    sizes = {c.slot: lane.pace.state_bytes(c.tokens) for c in candidates}
-    log.info(
-        "shutdown%s: %d slots to save (%s at %s), %.1f s left: saving %s",
-        where,
-        len(candidates),
-        readable(sum(v or 0 for v in sizes.values())),
-        rate(lane),
-        left,
-        ", ".join(f"slot {i}" for i in plan.save) or "none",
-    )
-    lost = [
-        f"{_named(lane, lane.pool.slots[i], sizes.get(i))}: would take "
-        + (f"~{seconds:.1f} s" if seconds is not None else "an unknown time")
-        + f" at {rate(lane)}, {left:.1f} s left{where}"
-        for i, seconds in plan.skip
-    ]
-    for i in plan.save:
-        slot = lane.pool.slots[i]
-        name = _named(lane, slot, sizes.get(i))
-        remaining = deadline - time.monotonic()
+    async def _planned(self, slots: list[Slot]) -> list[str]:
+        lane, where = self.lane, self.where
+        slots = [s for s in slots if lane.work.worth_saving(s) and s.holding is not None]
+        if not slots:
+            return []
+        candidates = [
+            Candidate(s.id, s.holding.n_tokens, lane.gate.save_seconds(s), s.last_used)
+            for s in slots
+            if s.holding is not None
+        ]
+        left = self.deadline - time.monotonic()
+        plan = plan_shutdown(candidates, left)
+        sizes = {c.slot: lane.pace.state_bytes(c.tokens) for c in candidates}
+        log.info(
+            "shutdown%s: %d slots to save (%s at %s), %.1f s left: saving %s",
+            where,
+            len(candidates),
+            readable(sum(v or 0 for v in sizes.values())),
+            rate(lane),
+            left,
+            ", ".join(f"slot {i}" for i in plan.save) or "none",
+        )
+        lost = [
+            f"{_named(lane.pool.slots[i], sizes.get(i))}: would take "
+            + (f"~{seconds:.1f} s" if seconds is not None else "an unknown time")
+            + f" at {rate(lane)}, {left:.1f} s left{where}"
+            for i, seconds in plan.skip
+        ]
+        for i in plan.save:
+            lost += await self._save(lane.pool.slots[i], sizes.get(i))
+        return lost
+
+    async def _save(self, slot: Slot, size: int | None) -> list[str]:
+        lane, where = self.lane, self.where
+        name = _named(slot, size)
+        remaining = self.deadline - time.monotonic()
         expected = lane.gate.save_seconds(slot)
         if remaining <= 0 or (expected is not None and expected > remaining):
-            lost.append(f"{name}: no time left ({max(remaining, 0):.1f} s){where}")
-            continue
+            return [f"{name}: no time left ({max(remaining, 0):.1f} s){where}"]
         try:
-            await asyncio.wait_for(lane.save_slot(i), remaining)
+            with lane.pace.timing():
+                await asyncio.wait_for(lane.save_slot(slot.id), remaining)
         except TimeoutError:
-            lost.append(f"{name}: its save was cut off by the deadline{where}")
-            continue
-        if lane.work.worth_saving(slot):
-            lost.append(f"{name}: its save failed{where}")
-    return lost
+            return [f"{name}: its save was cut off by the deadline{where}"]
+        return [f"{name}: its save failed{where}"] if lane.work.worth_saving(slot) else []
 
 
-def _named(lane: Lane, slot: Slot, size: int | None) -> str:
+def _named(slot: Slot, size: int | None) -> str:
     held = slot.holding
     if held is None:
         return f"slot {slot.id}"
