@@ -149,11 +149,20 @@ class Settings(BaseSettings):
         description="a conversation seen this recently is live; with more live conversations "
         "than slots, idle slots are saved at once in the background (0 = only idle saves)",
     )
-    background_save_wait: Duration = Field(
+    save_wait: Duration = Field(
         10.0,
-        description="a background save waits at most this long while another slot serves a "
-        "request (its stream would pause for the save) and another idle slot is free; 0 = at "
-        "once",
+        description="a save of a big state (longer than a generated token) waits for a moment "
+        "when no other slot of the server generates (the server's streams pause while it "
+        "writes): a save a request needs at most this long, a background one until such a "
+        "moment, and no request is queued and no tool result due (after this long past "
+        "--idle-save-after, no longer for tool results); 0 = at once",
+    )
+    tool_result_within: Duration = Field(
+        30.0,
+        description="a reply that ends in a tool call means its conversation comes back "
+        "within this (at most --idle-save-after): meanwhile it keeps its slot against "
+        "newcomers, no optional save starts on its server, and if it had to leave its slot it "
+        "is restored into the next one that frees (0 = off)",
     )
     write_through: bool = Field(
         False,
@@ -366,6 +375,13 @@ class Settings(BaseSettings):
     @property
     def api_key(self) -> str | None:
         return self.upstream_api_key.get_secret_value() if self.upstream_api_key else None
+
+    @property
+    def effective_tool_result_within(self) -> float:
+        """How long a tool call's result is waited for: never past the idle checkpoint."""
+        if self.tool_result_within <= 0:
+            return 0.0
+        return min(self.tool_result_within, self.effective_idle_save_after)
 
     @property
     def effective_idle_save_after(self) -> float:

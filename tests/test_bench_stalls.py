@@ -47,8 +47,8 @@ def test_each_arm_is_started_as_it_is_named() -> None:
     ram = stalls.make_stalls_arm(DIRECT_RAM_CACHE, env(), opts)
     assert isinstance(at_once, ProxyArm) and isinstance(held, ProxyArm)
     cmd = at_once.command(8080)
-    assert cmd[cmd.index("--background-save-wait") + 1] == "0"
-    assert "--background-save-wait" not in held.command(8080)  # the default
+    assert cmd[cmd.index("--save-wait") + 1] == "0"
+    assert "--save-wait" not in held.command(8080)  # the default
     assert isinstance(ram, DirectArm) and ram.ram_cache and ram.slots == 2
     assert arms_of("at-once,kvproxy", stalls.STALLS_ARM_FLAGS) == (stalls.KVPROXY_AT_ONCE, KVPROXY)
 

@@ -6,15 +6,22 @@ from kvproxy.cache.pressure import (
     IdleView,
     LiveConversations,
     SaveDecision,
+    ServerView,
     gives_way,
     next_background_save,
 )
 
 
 def view(
-    i: int, idle_for: float, busy: bool = False, worth: bool = True, serving: bool = False
+    i: int,
+    idle_for: float,
+    busy: bool = False,
+    worth: bool = True,
+    serving: bool = False,
+    awaited: bool = False,
+    save_s: float | None = None,
 ) -> IdleView:
-    return IdleView(i, busy or serving, worth, idle_for, serving)
+    return IdleView(i, busy or serving, worth, idle_for, serving, awaited, save_s)
 
 
 def save_now(slot: int) -> SaveDecision:
@@ -51,21 +58,19 @@ def free(i: int) -> IdleView:
 
 
 def test_a_save_waits_while_another_slot_serves_a_request() -> None:
-    # Slot 1 streams a reply: the save of slot 0 (due for 2 s) would pause that stream, and a
-    # new conversation would take slot 2.
+    # Slot 1 streams a reply: the save of slot 0 would pause that stream. A slot freed looks
+    # again (no timer).
     slots = [view(0, 2.0), view(1, 0.0, serving=True), free(2)]
     decision = next_background_save(slots, live=4, waiting=0, idle_save_after=30, max_wait=10)
-    assert decision == SaveDecision(retry_in=8.0)
+    assert decision == NOTHING
 
 
-def test_a_save_the_next_request_would_need_goes_at_once() -> None:
-    # No other idle slot is free: the next new conversation would save slot 0 on its path.
+def test_a_save_the_next_request_would_need_waits_for_the_stream_too() -> None:
+    # No other idle slot is free: the next new conversation saves slot 0 on its own path,
+    # and that save too waits for a moment no stream is paused (savegate.py).
     slots = [view(0, 2.0), view(1, 0.0, serving=True)]
     decision = next_background_save(slots, live=4, waiting=0, idle_save_after=30, max_wait=10)
-    assert decision == save_now(0)
-    slots = [view(0, 2.0), view(1, 0.0, serving=True), view(2, 1.0, busy=True)]
-    decision = next_background_save(slots, live=4, waiting=0, idle_save_after=30, max_wait=10)
-    assert decision == save_now(0)
+    assert decision == NOTHING
 
 
 def test_a_held_back_save_goes_when_the_request_ends() -> None:
@@ -74,10 +79,10 @@ def test_a_held_back_save_goes_when_the_request_ends() -> None:
     assert decision == save_now(0)
 
 
-def test_a_save_is_never_held_back_beyond_max_wait() -> None:
-    slots = [view(0, 10.0), view(1, 0.0, serving=True), free(2)]
+def test_a_background_save_never_pauses_a_stream_however_long_it_was_due() -> None:
+    slots = [view(0, 3600.0), view(1, 0.0, serving=True), free(2)]
     decision = next_background_save(slots, live=4, waiting=0, idle_save_after=30, max_wait=10)
-    assert decision == save_now(0)
+    assert decision == NOTHING
 
 
 def test_max_wait_zero_saves_at_once_as_before() -> None:
@@ -85,10 +90,57 @@ def test_max_wait_zero_saves_at_once_as_before() -> None:
     assert next_background_save(slots, live=4, waiting=0, idle_save_after=30) == save_now(0)
 
 
-def test_without_pressure_the_wait_counts_from_when_the_idle_save_is_due() -> None:
-    slots = [view(0, 33.0), view(1, 0.0, serving=True), free(2)]
-    decision = next_background_save(slots, live=2, waiting=0, idle_save_after=30, max_wait=10)
-    assert decision == SaveDecision(retry_in=7.0)
+def test_a_save_small_against_the_servers_token_gap_goes_during_a_stream() -> None:
+    slots = [view(0, 2.0, save_s=0.01), view(1, 0.0, serving=True), free(2)]
+    server = ServerView(token_gap_s=0.05)
+    decision = next_background_save(
+        slots, live=4, waiting=0, idle_save_after=30, max_wait=10, server=server
+    )
+    assert decision == save_now(0)
+
+
+def test_no_save_starts_beside_another_save_under_way() -> None:
+    slots = [view(0, 2.0), free(1)]
+    decision = next_background_save(
+        slots, live=4, waiting=0, idle_save_after=30, max_wait=10, server=ServerView(saving=True)
+    )
+    assert decision == NOTHING
+
+
+def test_a_slot_whose_conversation_waits_for_a_tool_result_is_not_saved() -> None:
+    slots = [view(0, 20.0, awaited=True), view(1, 5.0)]
+    decision = next_background_save(slots, live=4, waiting=0, idle_save_after=30, max_wait=10)
+    assert decision == save_now(1)
+    assert next_background_save(slots[:1], live=4, waiting=0, idle_save_after=30) == NOTHING
+
+
+def test_no_save_starts_while_a_tool_result_is_due_until_it_stops_being_due() -> None:
+    """Conversation 0 just got a tool call back: its result's request would wait for the write
+    on the server's loop. Slot 1 is due under pressure: it goes once the result came or is no
+    longer expected."""
+    slots = [view(0, 1.0, awaited=True), view(1, 5.0)]
+    due = ServerView(tool_wait=3.0)
+    decision = next_background_save(
+        slots, live=4, waiting=0, idle_save_after=30, max_wait=10, server=due
+    )
+    assert decision == SaveDecision(retry_in=3.0)
+    assert next_background_save(slots, live=4, waiting=0, idle_save_after=30) == save_now(1)
+
+
+def test_an_idle_checkpoint_due_for_max_wait_no_longer_waits_for_tool_results() -> None:
+    """An idle slot's save after --idle-save-after is what a shutdown relies on."""
+    due = ServerView(tool_wait=3.0)
+    slots = [view(0, 41.0), view(1, 0.5, awaited=True)]
+    decision = next_background_save(
+        slots, live=1, waiting=0, idle_save_after=30, max_wait=10, server=due
+    )
+    assert decision == save_now(0)
+    # Under pressure, a save due for longer only spares a later request its save: it waits.
+    slots = [view(0, 15.0), view(1, 0.5, awaited=True)]
+    decision = next_background_save(
+        slots, live=4, waiting=0, idle_save_after=30, max_wait=10, server=due
+    )
+    assert decision == SaveDecision(retry_in=3.0)
 
 
 def test_a_slot_taken_by_a_background_save_holds_nothing_back() -> None:
@@ -97,17 +149,23 @@ def test_a_slot_taken_by_a_background_save_holds_nothing_back() -> None:
     assert decision == save_now(0)
 
 
-def test_a_save_under_way_gives_way_to_another_slots_request_unless_urgent() -> None:
+def test_a_save_under_way_gives_way_when_the_server_is_no_longer_idle() -> None:
     saving = view(0, 3.0, busy=True)
     streaming = view(1, 0.0, serving=True)
 
-    def gives(slots: list[IdleView], max_wait: float = 10.0) -> bool:
-        return gives_way(slots, 0, live=4, idle_save_after=30.0, max_wait=max_wait)
+    def gives(
+        slots: list[IdleView], max_wait: float = 10.0, waiting: int = 0, tool_wait: float = 0.0
+    ) -> bool:
+        server = ServerView(waiting=waiting, tool_wait=tool_wait)
+        return gives_way(slots, 0, idle_save_after=30.0, max_wait=max_wait, server=server)
 
     assert gives([saving, streaming, free(2)])
+    assert gives([saving, streaming])  # the next request's own save would wait for it too
     assert not gives([saving, view(1, 0.0), free(2)])  # nothing served
-    assert not gives([saving, streaming])  # the next request needs slot 0
-    assert not gives([view(0, 12.0, busy=True), streaming, free(2)])  # overdue
+    assert gives([saving, view(1, 0.0)], waiting=1)  # a request waits for a slot
+    assert gives([saving, view(1, 0.0)], tool_wait=2.0)  # a tool result came due
+    assert not gives([view(0, 45.0, busy=True), view(1, 0.0)], tool_wait=2.0)  # overdue
+    assert gives([view(0, 45.0, busy=True), streaming])  # overdue, but never during a stream
     assert not gives([saving, streaming, free(2)], max_wait=0)
 
 

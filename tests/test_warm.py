@@ -184,13 +184,13 @@ def long_for_stream(messages: list[dict[str, Any]]) -> str:
 
 
 async def held_back_save(make: Maker, wait: float) -> tuple[bool, bool, bool]:
-    """Three slots: conversation 4's turn 2 ends on one while another streams a long reply and
-    the third holds a conversation already on disk (a new one would take it): (a save of 4's
+    """Three slots: conversation 4's turn 2 ends on one while another streams a long reply
+    (the server's saves take 0.3 s: a big state against its 20 ms token gap): (a save of 4's
     slot was sent during the stream, the stream was still running when looked at, 4's slot
     ends up saved)."""
     fake, proxy = await make(
-        server={"token_delay": 0.02, "reply": long_for_stream, "n_slots": 3},
-        background_save_wait=wait,
+        server={"token_delay": 0.02, "reply": long_for_stream, "n_slots": 3, "action_delay": 0.3},
+        save_wait=wait,
     )
     replies = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3, 4)}
     await settle(proxy)
@@ -201,7 +201,7 @@ async def held_back_save(make: Maker, wait: float) -> tuple[bool, bool, bool]:
     posted = save_posts(fake, home)
     status, _, h = await chat(proxy, then(conv(4), replies[4]))
     assert status == 200 and h["X-KVProxy-Cache"] == "resident"
-    await asyncio.sleep(0.8)  # well past the wait of the held-back case's counterpart
+    await asyncio.sleep(0.8)  # well past what a save sent at once would have taken
     sent_during = save_posts(fake, home) > posted
     running = not streaming.done()
     status, _, _ = await streaming
@@ -211,13 +211,19 @@ async def held_back_save(make: Maker, wait: float) -> tuple[bool, bool, bool]:
 
 
 async def test_a_background_save_waits_while_another_slot_streams(make: Maker) -> None:
-    """The server runs a save on its one loop: sent during the stream it would pause it.
-    A new conversation would take the third slot, so the save is sent once the stream has
-    ended, and the slot is saved then."""
+    """The server runs a save on its one loop: sent during the stream it would pause it. So
+    the save is sent once the stream has ended, and the slot is saved then."""
     sent_during, running, saved = await held_back_save(make, wait=60)
     assert running and not sent_during and saved
 
 
-async def test_a_held_back_save_goes_when_its_wait_is_up(make: Maker) -> None:
+async def test_a_background_save_never_pauses_a_stream_however_long_it_waits(
+    make: Maker,
+) -> None:
     sent_during, running, saved = await held_back_save(make, wait=0.2)
+    assert running and not sent_during and saved
+
+
+async def test_save_wait_zero_saves_at_once_during_a_stream(make: Maker) -> None:
+    sent_during, running, saved = await held_back_save(make, wait=0)
     assert running and sent_during and saved

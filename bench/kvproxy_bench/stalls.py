@@ -23,7 +23,7 @@ stream.
 
 Arms: kvproxy with its background saves held back while another slot serves a request and
 another idle slot is free for a new conversation (the default; `kvproxy/cache/pressure.py`),
-kvproxy with `--background-save-wait 0` (saves at once), and llama-server alone with its RAM
+kvproxy with `--save-wait 0` (saves at once), and llama-server alone with its RAM
 cache (which copies states to and from RAM on the same loop). With `--slots 2` one slot
 streams and the other is the only one left, so every save is urgent and both kvproxy arms
 save at once; `--slots 3` shows the hold.
@@ -106,7 +106,7 @@ def stream_messages(k: int) -> list[dict[str, Any]]:
 def make_stalls_arm(name: str, env: BenchEnv, opts: StallsOptions) -> Arm:
     if name == DIRECT_RAM_CACHE:
         return DirectArm(env, opts.slots, opts.ctx_per_slot, ram_cache=True)
-    wait = ["--background-save-wait", "0"] if name == KVPROXY_AT_ONCE else []
+    wait = ["--save-wait", "0"] if name == KVPROXY_AT_ONCE else []
     return ProxyArm(env, opts.slots, opts.ctx_per_slot, wait, name=name)
 
 

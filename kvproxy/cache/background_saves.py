@@ -4,10 +4,11 @@ pressure.py), and the idle save after `idle_save_after`.
 Runs on the event loop, one save at a time, started whenever a slot becomes idle, a new
 conversation is seen, or housekeeping ticks. A save takes its slot from the pool like a
 request does (so nothing else touches the slot meanwhile), but never while a request waits
-for a slot, and gives it back without making it look recently used. While another slot
-serves a request and another idle slot is free, a due save is held back (at most `max_wait`
-seconds; pressure.py), and a save under way stops before its next step; a timer looks again
-when the hold is up.
+for a slot, and gives it back without making it look recently used. It starts only in a
+moment when it pauses nobody (pressure.py, moments.py: no other slot at work, no request
+waiting, no tool result due, no other save under way on the server; savegate.py marks it
+under way), and a save under way stops before its next step when that moment ends; a timer
+looks again when a held-back save may go.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from kvproxy.cache.pressure import (
     IdleView,
     LiveConversations,
     SaveDecision,
+    ServerView,
     gives_way,
     next_background_save,
 )
+from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
@@ -41,10 +44,13 @@ class Warmer:
         background: Background,
         live_window: float,
         idle_save_after: float,
-        max_wait: float = 0.0,
+        max_wait: float,
+        gate: SaveGate,
     ) -> None:
         self.pool = pool
         self.work = work
+        self.gate = gate
+        self.tool_loops = gate.tool_loops
         self.background = background
         self.live = LiveConversations(live_window)
         self.idle_save_after = idle_save_after
@@ -56,7 +62,6 @@ class Warmer:
         self._failed: set[str] = set()
         self._retry: asyncio.TimerHandle | None = None  # a look when a held-back save is due
         self._gave_way = False  # the save under way stopped for another slot's request
-        pool.on_release = self.kick
 
     def recall(self, used: Iterable[tuple[str, float]]) -> None:
         """At start-up: the conversations on disk used within the live window (key, last
@@ -88,10 +93,21 @@ class Warmer:
                 and s.holding.key not in self._failed
                 and self.work.worth_saving(s),
                 now - s.last_used,
-                serving=s.busy and not s.saving,
+                serving=s.working,
+                awaited=self.pool.awaited(s),
+                save_s=self.gate.save_seconds(s),
             )
             for s in self.pool.slots
         ]
+
+    def _server(self, mine: Slot | None = None) -> ServerView:
+        """The server beside the slots; `mine`: the slot whose save is under way."""
+        return ServerView(
+            waiting=self.pool.waiting,
+            saving=self.gate.saving is not None and self.gate.saving is not mine,
+            tool_wait=self.tool_loops.due_in(time.monotonic()),
+            token_gap_s=self.gate.pace.token_gap_s,
+        )
 
     def _live(self) -> int:
         return self.live.count(time.monotonic()) if self.live.window > 0 else 0
@@ -103,6 +119,7 @@ class Warmer:
             waiting=self.pool.waiting,
             idle_save_after=self.idle_save_after,
             max_wait=self.max_wait,
+            server=self._server(),
         )
         self._look_again(decision)
         return None if decision.slot is None else self.pool.slots[decision.slot]
@@ -123,9 +140,9 @@ class Warmer:
         if gives_way(
             self._views(),
             slot.id,
-            live=self._live(),
             idle_save_after=self.idle_save_after,
             max_wait=self.max_wait,
+            server=self._server(slot),
         ):
             self._gave_way = True
         return self._gave_way
@@ -136,7 +153,8 @@ class Warmer:
             if slot is None or not self.pool.try_take(slot):
                 return
             slot.begin_background_save()
-            await self._save(slot)
+            with self.gate.holding(slot):
+                await self._save(slot)
 
     async def _save(self, slot: Slot) -> None:
         key = slot.holding.key if slot.holding is not None else ""
@@ -147,10 +165,11 @@ class Warmer:
                 # Asleep, the server emptied its slots; a save would wake it for nothing.
                 slot.forget()
                 return
-            await self.work.verify(slot)
-            saved = await self.work.save_if_worth(
-                slot, background=True, give_way=lambda: self._give_way(slot)
-            )
+            with self.gate.pace.timing():
+                await self.work.verify(slot)
+                saved = await self.work.save_if_worth(
+                    slot, background=True, give_way=lambda: self._give_way(slot)
+                )
         except (UpstreamError, OSError) as exc:
             log.debug("background save of slot %d: %s", slot.id, exc)
         finally:

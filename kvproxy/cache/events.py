@@ -24,6 +24,7 @@ class Count(StrEnum):
     EVICTION = "eviction"  # an entry evicted (TTL or byte budget)
     SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
     WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
+    PREFETCH = "prefetch"  # a conversation waiting for a tool's result restored ahead of it
 
 
 @dataclass

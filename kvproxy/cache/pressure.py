@@ -37,23 +37,26 @@ The policy:
 - A request for the slot being saved waits only for that save (`SlotPool.acquire` waits for
   the slot holding its conversation); the slot keeps its conversation, so the request is then
   resident. Background saves do not make a slot look recently used, so LRU stays LRU.
-- **Not while another slot serves a request, unless urgent**, for at most `max_wait` seconds
-  after the save became due: the server runs a save on its one loop, so every step of it (the
-  canonical prefix's evaluation, the state write) pauses the other slots' token streams and
-  delays their prefills and restores. A save is urgent when no other idle slot could take a
-  new conversation without a save (empty, on disk, or not worth a file): the next request
-  would then save this slot on its own path, which pauses the streams just as long and makes
-  that request wait too (measured with `kvproxy bench stalls`: two slots, one streaming,
-  turn 2 of the others 2.7 s against 1.4 s). A held-back save goes once those requests end,
-  or when `max_wait` is up, so it is never put off for good. A save under way gives way the
-  same way before each of its steps (`gives_way`). What a request itself must restore or save
-  cannot wait and is not held back.
+- **In a moment when it pauses nobody** (moments.py): one save at a time on the server, and
+  a big one only while no other slot generates, prefills or restores, no request waits for a
+  slot, and no tool call's result is due (the result's request would wait for the write on
+  the server's loop). A save held back goes when that moment comes: a slot freed looks
+  again, and a timer when a tool result stops being due. A slot whose conversation waits for
+  a tool's result is not saved in the background: it comes back to it within seconds
+  (toolloops.py). Before each of its steps on the server (the canonical prefix's evaluation,
+  the state write) a save under way looks again and gives way (`gives_way`), unless it has
+  been due for `max_wait`: an idle checkpoint, which a shutdown relies on, then still waits
+  for streams but no longer for expected tool results. (Measured before these rules with
+  `kvproxy bench stalls`, two slots, one streaming: a save sent during the stream paused it
+  for the whole write.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvproxy.cache.moments import Moment, ServerNow, may_start
 
 # Distinct conversations remembered at most: a client minting a new conversation per request
 # must not grow memory without bound (beyond it the oldest are dropped).
@@ -69,6 +72,18 @@ class IdleView:
     worth: bool  # its content would be lost and is worth a file (policy.worth_saving)
     idle_for: float  # seconds since a request last used it
     serving: bool = False  # busy with a request (its prefill, stream, restore), not a save
+    awaited: bool = False  # its conversation waits for a tool's result (toolloops.py)
+    save_s: float | None = None  # what its save will take (pace.py; None: not known)
+
+
+@dataclass(frozen=True)
+class ServerView:
+    """The server beside its slots: what moments.py reads besides them."""
+
+    waiting: int = 0  # requests queued for a slot
+    saving: bool = False  # a save under way on it (a request's, or a prefetch)
+    tool_wait: float = 0.0  # seconds a tool call's result may still come in
+    token_gap_s: float | None = None  # a generated token's time (pace.py)
 
 
 @dataclass(frozen=True)
@@ -93,12 +108,14 @@ def next_background_save(
     waiting: int,
     idle_save_after: float,
     max_wait: float = 0.0,
+    server: ServerView | None = None,
 ) -> SaveDecision:
     """The slot to save now in the background: least recently used first among the idle
-    slots worth a save, every one of them under pressure (more live conversations than
-    slots), otherwise only those idle for `idle_save_after`; none while a request waits. While
-    another slot serves a request, and another idle slot is free for a new conversation, the
-    save is held back until it has been due `max_wait`."""
+    slots worth a save whose conversation waits for no tool result, every one of them under
+    pressure (more live conversations than slots), otherwise only those idle for
+    `idle_save_after`; none while a request waits. It starts in a moment when it pauses
+    nobody (moments.py); until then the decision says when to look again (or nothing: a slot
+    freed or a save ended looks again)."""
     if waiting > 0:
         return SaveDecision()
     pressure = live > len(slots)
@@ -107,40 +124,60 @@ def next_background_save(
         for s in slots
         if not s.busy
         and s.worth
+        and not s.awaited
         and due_for(s, pressure=pressure, idle_save_after=idle_save_after) >= 0
     ]
     if not due:
         return SaveDecision()
     first = max(due, key=lambda s: s.idle_for)
-    left = max_wait - due_for(first, pressure=pressure, idle_save_after=idle_save_after)
-    if left > 0 and _may_wait(slots, first.id):
-        return SaveDecision(retry_in=left)
-    return SaveDecision(slot=first.id)
+    moment = _moment(slots, first, idle_save_after, max_wait, server, waiting)
+    if moment.go:
+        return SaveDecision(slot=first.id)
+    return SaveDecision(retry_in=moment.retry_in)
 
 
-def _may_wait(slots: Sequence[IdleView], saving: int) -> bool:
-    """Another slot serves a request, and another idle slot could take a new conversation
-    without a save (so this one is not needed next)."""
-    others = [s for s in slots if s.id != saving]
-    return any(s.serving for s in others) and any(not s.busy and not s.worth for s in others)
+def _moment(
+    slots: Sequence[IdleView],
+    mine: IdleView,
+    idle_save_after: float,
+    max_wait: float,
+    server: ServerView | None,
+    waiting: int,
+) -> Moment:
+    server = server or ServerView(waiting=waiting)
+    now = ServerNow(
+        working=sum(s.serving for s in slots if s.id != mine.id),
+        waiting=max(waiting, server.waiting),
+        saving=server.saving,
+        tool_wait=server.tool_wait,
+    )
+    return may_start(
+        now,
+        save_s=mine.save_s,
+        token_gap_s=server.token_gap_s,
+        optional=True,
+        # Overdue is the idle checkpoint's: a save under pressure only spares a later
+        # request its save, and waits as long as a tool result is due.
+        waited=due_for(mine, pressure=False, idle_save_after=idle_save_after),
+        max_wait=max_wait,
+    )
 
 
 def gives_way(
     slots: Sequence[IdleView],
     saving: int,
     *,
-    live: int,
     idle_save_after: float,
     max_wait: float,
+    server: ServerView | None = None,
 ) -> bool:
     """Before the next step of the background save of slot `saving`: stop it (it is done
-    later) when another slot started serving a request meanwhile, unless it is urgent or
-    overdue."""
+    later) when it may not start now (moments.py): another slot's request started, a request
+    waits for a slot, a tool result came due."""
     mine = next((s for s in slots if s.id == saving), None)
     if mine is None:
         return False
-    waited = due_for(mine, pressure=live > len(slots), idle_save_after=idle_save_after)
-    return waited < max_wait and _may_wait(slots, saving)
+    return not _moment(slots, mine, idle_save_after, max_wait, server, 0).go
 
 
 @dataclass

@@ -32,6 +32,8 @@ class Slot(Protocol):
     @property
     def serving(self) -> list[str] | None: ...
     @property
+    def prefetching(self) -> bool: ...
+    @property
     def last_used(self) -> float: ...
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int: ...
 
@@ -58,22 +60,32 @@ def _pushes_out(slot: Slot, depth: int, n_keys: int) -> bool:
 
 
 def choose(
-    idle: Sequence[S], keys: list[str], namespace: str, serves: Serves[S] | None = None
+    idle: Sequence[S],
+    keys: list[str],
+    namespace: str,
+    serves: Serves[S] | None = None,
+    awaited: Callable[[S], bool] | None = None,
 ) -> tuple[S, int]:
     """An idle slot for a conversation, and how deep it already holds it.
 
-    A returning conversation whose slot now holds another session (of the same opening)
-    does not push that session out while a slot costs no save: it restores its own state
-    there. Otherwise the slot holding the longest prefix the server will reuse wins
-    (`serves`: how deep a slot serves the request, by the model class; the shared keys when
-    not given); among equals, one the request goes on from whole, then one on disk. With no
-    prefix served anywhere, the least recently used slot, empty ones first, then ones on disk.
+    A slot holding a conversation that waits for a tool's result (`awaited`: its client comes
+    back within seconds, toolloops.py) goes to another conversation only when no other slot
+    is idle, even one whose state must be saved first: that save is on this request's path,
+    where the tool loop's would be a restore on its own, seconds later. A returning
+    conversation whose slot now holds another session (of the same opening) does not push
+    that session out while a slot costs no save: it restores its own state there. Otherwise
+    the slot holding the longest prefix the server will reuse wins (`serves`: how deep a slot
+    serves the request, by the model class; the shared keys when not given); among equals,
+    one the request goes on from whole, then one on disk. With no prefix served anywhere, the
+    least recently used slot, empty ones first, then ones on disk.
     """
     depth_of = serves or (lambda s: s.shared_depth(keys, namespace))
+    kept = awaited or (lambda _s: False)
     depths = [depth_of(s) for s in idle]
     best = max(
         range(len(idle)),
         key=lambda i: (
+            not (kept(idle[i]) and not _whole(idle[i], depths[i])),
             not _pushes_out(idle[i], depths[i], len(keys)),
             depths[i],
             _whole(idle[i], depths[i]),
@@ -82,7 +94,7 @@ def choose(
     )
     if depths[best] > 0:
         return idle[best], depths[best]
-    return min(idle, key=lambda s: (s.holding is not None, not s.saved, s.last_used)), 0
+    return min(idle, key=lambda s: (kept(s), s.holding is not None, not s.saved, s.last_used)), 0
 
 
 def finishing_best(
@@ -111,6 +123,14 @@ def home_of(slots: Sequence[S], keys: list[str], namespace: str) -> S | None:
     best_depth = 0
     for slot in slots:
         depth = slot.shared_depth(keys, namespace)
+        if (
+            slot.prefetching
+            and slot.serving is not None
+            and shared_chain(slot.serving, keys) == len(slot.serving) > best_depth
+        ):
+            # Taken to restore this conversation before it comes back (prefetch.py).
+            best, best_depth = slot, len(slot.serving)
+            continue
         if depth <= best_depth or slot.holding is None:
             continue
         if slot.serving is not None:

@@ -40,6 +40,9 @@ class SlotPool:
         self._draining: list[int] = []  # numbers of the requests waiting for every slot
         # Called (on the loop) whenever a slot becomes idle: background saves look for work.
         self.on_release: Callable[[], None] | None = None
+        # Whether a slot holds a conversation waiting for a tool's result (toolloops.py): a
+        # newcomer takes another slot when there is one.
+        self.awaited: Callable[[Slot], bool] = lambda _slot: False
 
     def resize(self, n_slots: int) -> None:
         if n_slots != len(self.slots):
@@ -103,7 +106,7 @@ class SlotPool:
             home = home_of(self.slots, keys, namespace)
             if home is not None:
                 wanted = home.id
-                if home.busy and home.saving:
+                if home.busy and (home.saving or home.prefetching):
                     home.claim()
             else:
                 soon = finishing_best(self.slots, keys, namespace, serves) or self._saved_soon()
@@ -135,7 +138,7 @@ class SlotPool:
             if wanted is not None and not keys:
                 slot, depth = self.slots[wanted], 0
             else:
-                slot, depth = choose(self.idle(), keys or [], namespace, serves)
+                slot, depth = choose(self.idle(), keys or [], namespace, serves, self.awaited)
             slot.take(keys)
             slot.mark_started()
             return slot, depth

@@ -90,12 +90,24 @@ class Slot:
     # Its request's reply is delivered and kvproxy's own work after it (a GET /slots, a
     # --write-through save) holds the slot: the server alone would find it idle.
     finishing: bool = False
+    # Taken for a prefetch (prefetch.py): a conversation waiting for a tool's result is
+    # restored into it (`serving` names that conversation).
+    prefetching: bool = False
+    # Its request waits for a moment to save what the slot holds (savegate.py): not at work
+    # on the server yet.
+    gated: bool = False
 
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int:
         holding = self.holding
         if holding is None or holding.namespace != namespace:
             return 0
         return shared_chain(holding.chain, keys)
+
+    @property
+    def working(self) -> bool:
+        """Busy with a request on the server (its prefill, its stream, its restore), not with
+        kvproxy's own background work or bookkeeping: a save now would pause it."""
+        return self.busy and not (self.saving or self.prefetching or self.finishing or self.gated)
 
     def view(self) -> HeldView | None:
         """What the slot holds, for the policy."""
@@ -175,6 +187,7 @@ class Slot:
         """Given back to the pool; `used`: by a request (LRU order is a request's)."""
         self.busy = False
         self.saving = False
+        self.prefetching = False
         self.claimed = False
         self.serving = None
         self.finishing = False
@@ -266,6 +279,12 @@ class Slot:
             yield
         finally:
             self.action = None
+
+    def begin_prefetch(self, chain: Sequence[str]) -> None:
+        """Taken for a prefetch of the conversation `chain`: its request waits for the slot
+        (and claims it) rather than going elsewhere."""
+        self.prefetching = True
+        self.serving = list(chain)
 
     def begin_background_save(self) -> None:
         """Taken for a background save: a request may wait for it rather than evict another."""

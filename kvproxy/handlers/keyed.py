@@ -23,9 +23,11 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.liveness import Hung
 from kvproxy.cache.loras import sent
+from kvproxy.cache.pace import Pace
 from kvproxy.cache.slotpool import QueueFull
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.toolloops import ToolLoops
 from kvproxy.handlers.answers import busy_response
 from kvproxy.handlers.incoming import Incoming
 from kvproxy.handlers.prepare import Preparer
@@ -50,6 +52,8 @@ class Keyed:
         unkeyed: Unkeyed,
         warmer: Warmer,
         report: Report,
+        tool_loops: ToolLoops,
+        pace: Pace,
     ) -> None:
         self.settings = ctx.settings
         self.reply_cap = ctx.settings.request_reply_cap
@@ -62,6 +66,8 @@ class Keyed:
         self.unkeyed = unkeyed
         self.warmer = warmer
         self.report = report
+        self.tool_loops = tool_loops  # conversations waiting for a tool's result
+        self.pace = pace  # the server's token gap, from the replies' timings
 
     def read(
         self, request: web.Request, adapter: WireAdapter, payload: dict[str, object]
@@ -112,6 +118,7 @@ class Keyed:
         timed = Timed(incoming.started, time.perf_counter() - incoming.started)
         if conv.messages:
             # After the acquire: this request has its slot; a background save may take another.
+            self.tool_loops.returned(conv.keys)
             self.warmer.seen(conv.keys)
         lease = Lease(self.pool, [slot], self.background)
         try:
@@ -200,6 +207,11 @@ class Keyed:
             timings = (reply.timings if reply is not None else None) or {}
             if reply is not None and reply.complete:
                 slot.replied(conv, adapter.echoed(reply), timings)
+                self.pace.replied(timings)
+                if reply.finish_reason == "tool_calls" and slot.holding is not None:
+                    # Its client runs the tool and comes back within seconds (toolloops.py).
+                    held = slot.holding
+                    self.tool_loops.replied(held.namespace, held.chain, time.monotonic())
             else:
                 slot.forget()
             if self.settings.write_through:

@@ -20,6 +20,7 @@ from kvproxy.cache.loras import before_restore
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.policy import Decision, Move, expected_resident
 from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
+from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotchoice import Serves
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
@@ -48,6 +49,7 @@ class Preparer:
         reuse: Reuse,
         openings: Openings,
         learner: HabitLearning,
+        gate: SaveGate,
     ) -> None:
         self.ctx = ctx
         self.backend = ctx.backend
@@ -57,6 +59,7 @@ class Preparer:
         self.openings = openings
         self.stems: Stems = reuse.stems
         self.learner = learner
+        self.gate = gate  # one save at a time on the server, when it pauses nobody
 
     async def prepare_or_miss(self, slot: Slot, conv: Conversation) -> Prepared:
         try:
@@ -153,11 +156,14 @@ class Preparer:
 
     async def _vacate(self, slot: Slot, conv: Conversation, plan: Plan) -> None:
         """Before the slot changes hands: what it holds is saved if it would be lost, its
-        opening is left on disk, and the request's tenant is admitted."""
-        if plan.save:
-            await self.work.save(slot)
-        if plan.leave_opening:
-            await self.openings.before_reassign(slot, conv)
+        opening is left on disk (both in a moment when they pause no other slot's stream,
+        savegate.py), and the request's tenant is admitted."""
+        if plan.save or plan.leave_opening:
+            async with self.gate.turn(slot):
+                if plan.save:
+                    await self.work.save(slot)
+                if plan.leave_opening:
+                    await self.openings.before_reassign(slot, conv)
         if plan.admit:
             await self.work.admit(slot, conv.tenant)
 

@@ -19,6 +19,7 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.policy import Decision
+from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotpool import QueueFull
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
@@ -30,7 +31,8 @@ log = logging.getLogger("kvproxy.cache")
 
 
 class Unkeyed:
-    def __init__(self, ctx: CacheContext, work: SlotWork) -> None:
+    def __init__(self, ctx: CacheContext, work: SlotWork, gate: SaveGate) -> None:
+        self.gate = gate  # one save at a time on the server, when it pauses nobody
         self.backend = ctx.backend
         self.settings = ctx.settings
         self.tenant_of = ctx.tenant_of
@@ -49,7 +51,7 @@ class Unkeyed:
             return busy_response(exc)
         lease = Lease(self.pool, [slot], self.background)
         try:
-            await lease.guarded(self._clear_for_foreign_use(slot))
+            await lease.guarded(self._clear_for_foreign_use(slot, gated=True))
             slot.forget()
             if not await lease.guarded(self._admit([slot], request)):
                 return unreachable_response()
@@ -122,11 +124,17 @@ class Unkeyed:
             return False
         return True
 
-    async def _clear_for_foreign_use(self, slot: Slot) -> None:
-        """Before a request the cache does not key uses the slot: keep what would be lost."""
+    async def _clear_for_foreign_use(self, slot: Slot, gated: bool = False) -> None:
+        """Before a request the cache does not key uses the slot: keep what would be lost
+        (`gated`: in a moment when it pauses no other slot's stream; a request holding every
+        slot pauses none)."""
         try:
             await self.work.verify(slot)
-            await self.work.save_if_worth(slot)
+            if gated and self.work.worth_saving(slot):
+                async with self.gate.turn(slot):
+                    await self.work.save_if_worth(slot)
+            else:
+                await self.work.save_if_worth(slot)
         except UpstreamError as exc:
             log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
             slot.forget()

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,14 +29,14 @@ from kvproxy.cache.habits import Habits
 from kvproxy.cache.leases import Background
 from kvproxy.cache.policy import RestoreGuard
 from kvproxy.cache.slotpool import SlotPool
-from kvproxy.cache.slots import Slot
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
 from kvproxy.http.session import Upstream, UpstreamError
+from kvproxy.lanes import shutdown
 from kvproxy.lanes.discovery import Discovery
 from kvproxy.lanes.dispatch import Dispatch
 from kvproxy.lanes.lane import Lane, make_lane
-from kvproxy.lanes.stats import backend_state, slot_state, unsaved
+from kvproxy.lanes.stats import backend_state, slot_state
 from kvproxy.server.api import key_refused
 from kvproxy.store import Store, dirfiles
 
@@ -200,7 +200,7 @@ class ConversationCache:
             lane.backend.store_opening(False)
         await asyncio.gather(*(self._discover(lane) for lane in self.lanes))
         for lane in self.lanes:
-            lane.warmer.enabled = True
+            lane.serving(True)
         self.discovery.serving = True
         started.set()
         await self._housekeeping()
@@ -248,14 +248,15 @@ class ConversationCache:
 
     async def stop(self, budget: float | None = None) -> None:
         """Save what would be lost, within `budget` seconds (the settings' shutdown deadline
-        by default): first the slots nobody is using (each a quick save), then, once the
-        work under way ends (a save, a long prefill), the others. A slot still busy or not
-        saved by then is named in the log, and lost."""
+        by default): first the slots nobody is using, then, once the work under way ends (a
+        save, a long prefill), the others; on each server what fits in the time left, the most
+        valuable first (lanes/shutdown.py). Every slot not saved is named in the log, and
+        lost."""
         began = time.monotonic()
         budget = self.settings.shutdown_timeout if budget is None else budget
         self.discovery.serving = False  # a model found from now on starts no saves either
         for lane in self.lanes:
-            lane.warmer.enabled = False  # a save under way finishes; no new one starts
+            lane.serving(False)  # a save under way finishes; no new one starts
         if self._housekeeper is not None:
             self._housekeeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -266,44 +267,21 @@ class ConversationCache:
             await asyncio.to_thread(self.store.close)
             return
         deadline = began + budget
+        several = len(self.lanes) > 1
+        saves = [
+            shutdown.ShutdownSaves(lane, deadline, f" on {lane.name}" if several else "")
+            for lane in lanes
+        ]
         # Every server at once: first the slots nobody uses, then, once the work under way
         # has ended, the others.
-        await asyncio.gather(
-            *(
-                self._save_all(lane, [s for s in lane.pool.slots if not s.busy], deadline)
-                for lane in lanes
-            )
-        )
+        lost = await _gathered(s.first() for s in saves)
         await self.background.wait(max(0.0, deadline - time.monotonic()))
-        lost = [
-            name
-            for names in await asyncio.gather(
-                *(self._save_all(lane, lane.pool.slots, deadline) for lane in lanes)
-            )
-            for name in names
-        ]
+        lost += await _gathered(s.rest() for s in saves)
         if lost:
-            log.warning("not saved by the shutdown deadline, lost: %s", ", ".join(lost))
+            log.warning("not saved by the shutdown deadline, lost: %s", "; ".join(lost))
         await self.background.wait(1.0)
         await self.write_habits()
         await asyncio.to_thread(self.store.close)
-
-    async def _save_all(self, lane: Lane, slots: list[Slot], deadline: float) -> list[str]:
-        """Save each of one server's `slots` worth saving, by `deadline`; what was not,
-        named."""
-        lost = []
-        where = f" on {lane.name}" if len(self.lanes) > 1 else ""
-        for slot in slots:
-            if not slot.busy and not lane.work.worth_saving(slot):
-                continue
-            remaining = deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(lane.save_slot(slot.id), remaining)
-            except TimeoutError:
-                lost.append(unsaved(slot) + where)
-        return lost
 
     async def write_habits(self) -> None:
         """Write what the clients were seen to do, when something new was learnt."""
@@ -339,7 +317,7 @@ class ConversationCache:
                 await self.write_habits()
                 for lane in self.lanes:
                     if lane.backend.enabled:
-                        lane.warmer.kick()
+                        lane.kick()
             except UpstreamError as exc:
                 log.debug("housekeeping: %s", exc)
             except Exception as exc:
@@ -363,3 +341,7 @@ class ConversationCache:
         gone = await self.store.forget_removed_async()
         if gone:
             log.info("%d cache entries were removed by another process (kvproxy rm/gc)", len(gone))
+
+
+async def _gathered(steps: Iterable[Awaitable[list[str]]]) -> list[str]:
+    return [name for names in await asyncio.gather(*steps) for name in names]

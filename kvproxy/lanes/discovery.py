@@ -67,7 +67,7 @@ class Discovery:
         if self.serving:
             for lane in lanes:
                 if lane not in before:
-                    lane.warmer.enabled = True
+                    lane.serving(True)
 
     async def find_new(self) -> None:
         """A request named a model no lane serves: look at each router's models now (a

@@ -10,15 +10,22 @@ found by any lane whose model identity (and so namespace) is the same.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.openings import Openings
+from kvproxy.cache.pace import Pace, PacedEvents
+from kvproxy.cache.prefetch import Prefetcher
 from kvproxy.cache.reuse import Reuse
+from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotpool import QueueFull, SlotPool
+from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
+from kvproxy.cache.toolloops import ToolLoops
 from kvproxy.handlers.keyed import Keyed
 from kvproxy.handlers.prepare import Preparer
 from kvproxy.handlers.report import Report
@@ -29,26 +36,60 @@ from kvproxy.http.session import UpstreamError
 class Lane:
     def __init__(self, ctx: CacheContext, name: str) -> None:
         self.name = name  # how logs, metrics and stats name the server (its address)
+        backend = ctx.backend
+        # What this server's saves, restores and replies show of its speed (pace.py).
+        self.pace = Pace(lambda: backend.model_info.kv_bytes_per_token if backend.model_info else 0)
+        ctx = dataclasses.replace(ctx, events=PacedEvents.of(ctx.events, self.pace))
         self.ctx = ctx
-        self.backend = ctx.backend
+        self.backend = backend
         self.work = SlotWork(ctx)
         settings = ctx.settings
+        self.tool_loops = ToolLoops(settings.effective_tool_result_within)
+        self.pool.awaited = self._awaited
+        self.gate = SaveGate(self.pool, self.pace, self.tool_loops, settings.save_wait)
         self.warmer = Warmer(
-            ctx.backend.pool,
+            backend.pool,
             self.work,
             ctx.background,
             settings.live_window,
             settings.effective_idle_save_after,
-            settings.background_save_wait,
+            settings.save_wait,
+            self.gate,
         )
+        self.prefetcher = Prefetcher(backend.pool, self.work, self.gate, ctx.background)
+        self.pool.on_release = self.released
         stems = Stems(ctx, self.work)
         self.reuse = Reuse(ctx, self.work, stems)
         self.openings = Openings(ctx, self.work, self.reuse)
-        self.unkeyed = Unkeyed(ctx, self.work)
-        learner = HabitLearning(ctx.habits, ctx.backend, ctx.store, ctx.background)
-        preparer = Preparer(ctx, self.work, self.reuse, self.openings, learner)
+        self.unkeyed = Unkeyed(ctx, self.work, self.gate)
+        learner = HabitLearning(ctx.habits, backend, ctx.store, ctx.background)
+        preparer = Preparer(ctx, self.work, self.reuse, self.openings, learner, self.gate)
         report = Report(ctx, stems)
-        self.keyed = Keyed(ctx, self.work, preparer, self.unkeyed, self.warmer, report)
+        self.keyed = Keyed(
+            ctx, self.work, preparer, self.unkeyed, self.warmer, report, self.tool_loops, self.pace
+        )
+
+    def _awaited(self, slot: Slot) -> bool:
+        held = slot.holding
+        if held is None:
+            return False
+        return self.tool_loops.holds_awaited(held.chain, held.namespace, time.monotonic())
+
+    def released(self) -> None:
+        """A slot became idle (the pool calls it): whatever waited for one looks again."""
+        self.gate.changed()
+        self.warmer.kick()
+        self.prefetcher.kick()
+
+    def serving(self, enabled: bool) -> None:
+        """Background work (saves, prefetches) may start from now on, or no longer."""
+        self.warmer.enabled = enabled
+        self.prefetcher.enabled = enabled
+
+    def kick(self) -> None:
+        """Housekeeping's look for background work."""
+        self.warmer.kick()
+        self.prefetcher.kick()
 
     @property
     def pool(self) -> SlotPool:

@@ -159,6 +159,12 @@ class Metrics:
                 "wipe, another client).",
                 registry=r,
             ),
+            Count.PREFETCH: Counter(
+                "kvproxy_prefetches",
+                "Conversations waiting for a tool's result restored into a freed slot before "
+                "their request came (prefetch.py).",
+                registry=r,
+            ),
         }
 
     def watch(self, cache: Gauged) -> None:
@@ -259,6 +265,7 @@ class Metrics:
             "evictions": int(_total(self.counts[Count.EVICTION])),
             "ineffective_restores": int(_total(self.counts[Count.WASTED_RESTORE])),
             "slot_resets_seen": int(_total(self.counts[Count.SLOT_RESET])),
+            "prefetches": int(_total(self.counts[Count.PREFETCH])),
             "histograms": histograms,
         }
 

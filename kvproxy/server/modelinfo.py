@@ -65,6 +65,9 @@ class ModelInfo:
     is_recurrent: bool = False
     is_hybrid: bool = False
     model_class: ModelClass = "unknown"
+    # KV bytes a token of context keeps at f16 (the server's default KV type), from the
+    # attention layers' shape; 0 when the metadata does not tell (kv_bytes_per_token).
+    kv_bytes_per_token: int = 0
 
     def restore_reuse(self, swa_full: bool = False) -> RestoreReuse:
         """How llama-server reuses a slot state restored from disk for this model (measured
@@ -248,7 +251,36 @@ def read_model_info(path: str | Path) -> ModelInfo:
         is_recurrent=recurrent,
         is_hybrid=hybrid,
         model_class=model_class,
+        kv_bytes_per_token=kv_bytes_per_token(arch, meta),
     )
+
+
+F16_BYTES = 2
+
+
+def kv_bytes_per_token(arch: str, meta: dict[str, Any]) -> int:
+    """The KV a token keeps at f16: K and V of every attention layer, `head_count_kv` heads of
+    `key_length` and `value_length` (by default the embedding over the query heads). An
+    estimate until a save measures it (cache/pace.py): a quantised KV type (`-ctk q8_0`) keeps
+    about half, a sliding-window model without `--swa-full` only its window in those layers;
+    recurrent layers keep a fixed state, not counted. 0 when the metadata does not tell."""
+    layers = meta.get(f"{arch}.block_count")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count"))
+    heads = meta.get(f"{arch}.attention.head_count")
+    embd = meta.get(f"{arch}.embedding_length")
+    if not isinstance(layers, int) or layers <= 0:
+        return 0
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    first_heads = heads[0] if isinstance(heads, list) and heads else heads
+    head_dim = 0
+    if isinstance(embd, int) and isinstance(first_heads, int) and first_heads > 0:
+        head_dim = embd // first_heads
+    k = meta.get(f"{arch}.attention.key_length", head_dim)
+    v = meta.get(f"{arch}.attention.value_length", head_dim)
+    if not isinstance(k, int) or not isinstance(v, int):
+        return 0
+    n_kv = sum(h for h in per_layer if isinstance(h, int) and not isinstance(h, bool))
+    return n_kv * (k + v) * F16_BYTES
 
 
 def model_identity(props: dict[str, Any]) -> str:
