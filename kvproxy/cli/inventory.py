@@ -21,7 +21,8 @@ from pydantic import ByteSize, TypeAdapter
 from kvproxy.cli.display import Progress, entries_, human_age, human_bytes, table
 from kvproxy.cli.flags import add_settings_flags, settings_from_args
 from kvproxy.cli.stats import cmd_stats
-from kvproxy.config import Settings, parse_duration
+from kvproxy.config import Settings
+from kvproxy.settingvalues import parse_duration
 from kvproxy.store import SORTS, Entry, Listing, Store
 
 MIN_PREFIX = 6
