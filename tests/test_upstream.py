@@ -16,13 +16,19 @@ from kvproxy.http.session import IDLE_REUSE_S, Upstream, UpstreamError
 
 BODY = b'{"prompt":"hi"}'
 REPLY = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+# A streamed reply as llama-server sends it: chunked, its head promising Keep-Alive, after which
+# the server closes the connection.
+STREAMED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    b"Keep-Alive: timeout=5, max=100\r\n\r\n6\r\ndata:\n\r\n0\r\n\r\n"
+)
 
 
 async def _one_request_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
-        await reader.readuntil(b"\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
         await reader.readexactly(len(BODY))
-        writer.write(REPLY)
+        writer.write(STREAMED if head.startswith(b"POST /stream") else REPLY)
         await writer.drain()
         await reader.readuntil(b"\r\n\r\n")  # the next request on this connection: dropped
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -67,3 +73,16 @@ async def test_the_stand_in_does_drop_a_reused_connection(closing_server: str) -
 
 def test_the_limit_is_under_llama_servers_idle_close() -> None:
     assert IDLE_REUSE_S < 5.0  # CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND in the vendored httplib
+
+
+async def test_a_connection_a_streamed_reply_came_on_is_not_reused(closing_server: str) -> None:
+    """llama-server closes the connection after every streamed reply: a request sent on it
+    next, however soon, would be lost (a client's 502 right after another's stream)."""
+    upstream = Upstream(closing_server, idle_reuse_s=60)
+    await upstream.start()
+    try:
+        async with upstream.session.post(upstream.url("/stream"), data=BODY) as r:
+            assert await r.read() == b"data:\n"
+        assert await upstream.post_json("/completion", {"prompt": "hi"}) == {}
+    finally:
+        await upstream.close()

@@ -183,6 +183,11 @@ def _wrap(id_slot: int, n_slots: int) -> int:
 # --------------------------------------------------------------------------- server
 
 
+# How long after a streamed reply's last chunk the connection closes: long enough for a client
+# to send its next request on it, as happens against the real server.
+STREAM_CLOSE_S = 0.05
+
+
 class FakeLlamaServer:
     """In-process fake of llama-server. Use `await start()`/`await stop()` or `async with`."""
 
@@ -753,6 +758,11 @@ class FakeLlamaServer:
             # A client may hang up as soon as it has the last event, before the stream ends.
             await asyncio.sleep(self.end_delay)
             await resp.write_eof()
+            # llama-server closes the connection after every streamed reply (its head says
+            # Keep-Alive all the same), a moment after the last chunk.
+            transport = request.transport
+            if transport is not None:
+                asyncio.get_running_loop().call_later(STREAM_CLOSE_S, transport.close)
             return resp
         finally:
             self._finish(run)

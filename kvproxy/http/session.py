@@ -32,6 +32,7 @@ IDLE_REUSE_S = 4.0
 
 # Replies that have no body whatever their headers say (RFC 9110 §6.4.1).
 BODILESS_STATUSES = frozenset({b"204", b"304"})
+_CHUNKED = b"transfer-encoding: chunked"
 # Longest reply head buffered while looking for its status (aiohttp's own limits are below).
 _HEAD_LIMIT = 64 * 1024
 
@@ -42,7 +43,13 @@ class LenientReplies(ResponseHandler):
     chunked` and a `0` chunk, which aiohttp (rightly giving a 204 no body) reads as the start
     of a next reply, "Bad status line", failing the 204 itself. Here the bytes after a 204 or
     304 head are dropped and the connection is not reused (no pipelining: nothing else can
-    follow on it)."""
+    follow on it).
+
+    A chunked reply's connection is not reused either: llama-server closes the connection
+    after every streamed reply (its chunk provider ends the stream by returning false, which
+    cpp-httplib takes as the end of the connection), though its head says `Keep-Alive`. Put
+    back in the pool, the next request sent on it before the close arrives is lost with
+    "Server disconnected": a client's 502 right after another's stream ended."""
 
     _head: bytes | None = b""
     _dropping = False
@@ -71,6 +78,8 @@ class LenientReplies(ResponseHandler):
             self.force_close()
             super().data_received(head[: end + 4])
             return
+        if _CHUNKED in head[: max(end, 0)].lower():
+            self.force_close()
         super().data_received(head)
 
 
