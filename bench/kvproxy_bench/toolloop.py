@@ -4,10 +4,10 @@ An agent's conversation of `prompt_tokens` (the bundled Gemma 3 270M with the to
 template of toolcalls.py) asks; its reply ends in a tool call. While the tool runs
 (`tool_seconds`), `newcomers` new conversations (as many as slots by default, each of
 `newcomer_tokens`) arrive one after another, each once the one before is answered, and want
-slots: from the second on, the agent's slot is the least recently used. Then the tool's
-result comes back, streamed: its time to first token (TTFT, the first event), `cache_n` /
-`prompt_n` from its last event's timings and kvproxy's `X-KVProxy-Cache` label are what this
-measures. Its reply is the next tool call, and the next loop begins once the newcomers are done.
+slots: from the second on, the agent's slot is the least recently used. Then, once the pause
+is over and the newcomers are answered, the tool's result comes back, streamed: its time to
+first token (TTFT, the first event), `cache_n` / `prompt_n` from its last event's timings and
+kvproxy's `X-KVProxy-Cache` label are what this measures. Its reply is the next tool call.
 
 Arms, each on fresh servers with the same slots: kvproxy (its default: a reply ending in a tool
 call keeps its slot against newcomers for `--tool-result-within`, and a conversation that had
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -45,7 +46,7 @@ class ToolLoopOptions:
     slots: int = 2
     newcomers: int | None = None  # None: as many as slots
     prompt_tokens: int = 3000  # the agent's conversation
-    newcomer_tokens: int = 150
+    newcomer_tokens: int = 100
     tool_seconds: float = 2.0  # the tool runs this long
     max_tokens: int = 48  # the agent's replies (a tool call); newcomers get 8
     arms: tuple[str, ...] = TOOLLOOP_ARMS
@@ -70,6 +71,7 @@ class ResultTurn:
     prompt_n: int
     cache_state: str
     error: str | None = None
+    waited_s: float = 0.0  # from the tool call's reply to the result's request
 
 
 @dataclass
@@ -149,8 +151,14 @@ async def _loops(client: Client, arm: Arm, opts: ToolLoopOptions, run: ArmRun) -
         f"  {arm.name}: agent of {run.prompt_tokens:,} tokens, first call in {reply.ttft_s:.1f}s"
     )
     for loop in range(1, opts.loops + 1):
-        newcomers = asyncio.ensure_future(_newcomers(client, arm, opts, loop))
-        await asyncio.sleep(opts.tool_seconds)
+        # The result comes after the pause and once the newcomers are answered: its TTFT is
+        # then the cache's, not a wait for a newcomer's prefill on the server's one loop.
+        paused = time.perf_counter()
+        _, failed = await asyncio.gather(
+            asyncio.sleep(opts.tool_seconds), _newcomers(client, arm, opts, loop)
+        )
+        run.newcomer_errors += failed
+        waited = time.perf_counter() - paused
         messages = with_result(messages, reply_of(reply.content, reply.tool_calls), f"file {loop}")
         reply = await _agent_turn(client, arm, messages, opts)
         error = _called(reply)
@@ -163,9 +171,9 @@ async def _loops(client: Client, arm: Arm, opts: ToolLoopOptions, run: ArmRun) -
                 reply.prompt_n,
                 reply.cache_state,
                 error,
+                waited,
             )
         )
-        run.newcomer_errors += await newcomers
         progress(
             f"  {arm.name} loop {loop}: TTFT {reply.ttft_s:.2f}s, {reply.cache_n} cached, "
             f"{reply.prompt_n} prefilled, {reply.cache_state}" + (f" {error}" if error else "")
@@ -240,7 +248,8 @@ def markdown(result: ToolLoopResult) -> str:
         f"each call's tool runs ({opts.tool_seconds:g} s), {opts.n_newcomers} new "
         f"conversations of ~{opts.newcomer_tokens} tokens arrive one after another through "
         f"{opts.slots} slots, "
-        "then the tool's result comes back (streamed; TTFT: its first event; medians over "
+        "then, once they are answered, the tool's result comes back (streamed; TTFT: its first "
+        "event; medians over "
         'the loops; "vs": how many times faster than that arm).'
     )
     every = f"<details><summary>every tool result</summary>\n\n{detail(result)}\n\n</details>"
@@ -249,9 +258,21 @@ def markdown(result: ToolLoopResult) -> str:
 
 def detail(result: ToolLoopResult) -> str:
     rows = [
-        [t.arm, t.loop, t.ttft_s, t.cache_n, t.prompt_n, t.cache_state.strip("-") or None, t.error]
+        [
+            *(t.arm, t.loop, round(t.waited_s, 1), t.ttft_s, t.cache_n, t.prompt_n),
+            *(t.cache_state.strip("-") or None, t.error),
+        ]
         for run in result.arms
         for t in run.turns
     ]
-    cols = ["arm", "loop", "TTFT (s)", "cache_n", "prompt_n", "X-KVProxy-Cache", "error"]
+    cols = [
+        "arm",
+        "loop",
+        "tool (s)",
+        "TTFT (s)",
+        "cache_n",
+        "prompt_n",
+        "X-KVProxy-Cache",
+        "error",
+    ]
     return table(cols, rows)

@@ -193,7 +193,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--slots", type=int, help="S (default 2)")
     p.add_argument("--newcomers", type=int, help="new conversations per call (default: S)")
     p.add_argument("--prompt-tokens", type=int, help="the agent's conversation (default 3000)")
-    p.add_argument("--newcomer-tokens", type=int, help="each newcomer's prompt (default 150)")
+    p.add_argument("--newcomer-tokens", type=int, help="each newcomer's prompt (default 100)")
     p.add_argument("--tool-seconds", type=float, help="the tool runs this long (default 2)")
     p.add_argument("--max-tokens", type=int, help="the agent's reply cap (default 48)")
     p.add_argument("--arms", help="comma-separated: kvproxy, no-rule, ram-cache")
