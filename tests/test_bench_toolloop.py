@@ -116,3 +116,5 @@ def test_the_command_line_takes_the_toolloop_flags() -> None:
         ["bench", "toolloop", "--loops", "3", "--tool-seconds", "1.5", "--arms", "no-rule"]
     )
     assert (args.loops, args.tool_seconds, args.arms, args.slots) == (3, 1.5, "no-rule", None)
+    assert args.at_once is None  # the options' default
+    assert build_parser().parse_args(["bench", "toolloop", "--at-once"]).at_once is True

@@ -194,7 +194,7 @@ async def _run(args: argparse.Namespace) -> int:
                     **_given(
                         args,
                         *("loops", "slots", "newcomers", "prompt_tokens", "newcomer_tokens"),
-                        *("tool_seconds", "max_tokens"),
+                        *("tool_seconds", "at_once", "max_tokens"),
                     )
                 )
                 if args.arms is not None:

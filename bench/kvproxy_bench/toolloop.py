@@ -4,7 +4,8 @@ An agent's conversation of `prompt_tokens` (the bundled Gemma 3 270M with the to
 template of toolcalls.py) asks; its reply ends in a tool call. While the tool runs
 (`tool_seconds`), `newcomers` new conversations (as many as slots by default, each of
 `newcomer_tokens`) arrive one after another, each once the one before is answered, and want
-slots: from the second on, the agent's slot is the least recently used. Then, once the pause
+slots: from the second on, the agent's slot is the least recently used (`at_once`: all at the
+start, so that one of them takes the agent's slot in every arm). Then, once the pause
 is over and the newcomers are answered, the tool's result comes back, streamed: its time to
 first token (TTFT, the first event), `cache_n` / `prompt_n` from its last event's timings and
 kvproxy's `X-KVProxy-Cache` label are what this measures. Its reply is the next tool call.
@@ -48,6 +49,7 @@ class ToolLoopOptions:
     prompt_tokens: int = 3000  # the agent's conversation
     newcomer_tokens: int = 100
     tool_seconds: float = 2.0  # the tool runs this long
+    at_once: bool = False  # the newcomers all arrive as the tool starts (one takes its slot)
     max_tokens: int = 48  # the agent's replies (a tool call); newcomers get 8
     arms: tuple[str, ...] = TOOLLOOP_ARMS
 
@@ -183,13 +185,18 @@ async def _loops(client: Client, arm: Arm, opts: ToolLoopOptions, run: ArmRun) -
 
 
 async def _newcomers(client: Client, arm: Arm, opts: ToolLoopOptions, loop: int) -> int:
-    """Loop `loop`'s newcomers, one after another from the start of the pause (each once the
-    one before is answered, so each finds the slots the one before left); how many failed."""
-    failed = 0
-    for k in range(opts.n_newcomers):
-        messages = first_turn(1000 * loop + k, facts_for(opts.newcomer_tokens))
-        failed += not (await client.chat(arm.url, messages, 8)).ok
-    return failed
+    """Loop `loop`'s newcomers from the start of the pause, one after another (each once the
+    one before is answered, so each finds the slots the one before left) or all at once; how
+    many failed."""
+    turns = [
+        first_turn(1000 * loop + k, facts_for(opts.newcomer_tokens))
+        for k in range(opts.n_newcomers)
+    ]
+    if opts.at_once:
+        replies = await asyncio.gather(*(client.chat(arm.url, m, 8) for m in turns))
+    else:
+        replies = [await client.chat(arm.url, m, 8) for m in turns]
+    return sum(not r.ok for r in replies)
 
 
 def median(values: list[float]) -> float | None:
@@ -246,8 +253,8 @@ def markdown(result: ToolLoopResult) -> str:
     head = (
         f"An agent's conversation of {tokens:,} tokens calls a tool {opts.loops} times; while "
         f"each call's tool runs ({opts.tool_seconds:g} s), {opts.n_newcomers} new "
-        f"conversations of ~{opts.newcomer_tokens} tokens arrive one after another through "
-        f"{opts.slots} slots, "
+        f"conversations of ~{opts.newcomer_tokens} tokens arrive "
+        f"{'at once' if opts.at_once else 'one after another'} through {opts.slots} slots, "
         "then, once they are answered, the tool's result comes back (streamed; TTFT: its first "
         "event; medians over "
         'the loops; "vs": how many times faster than that arm).'

@@ -195,6 +195,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--prompt-tokens", type=int, help="the agent's conversation (default 3000)")
     p.add_argument("--newcomer-tokens", type=int, help="each newcomer's prompt (default 100)")
     p.add_argument("--tool-seconds", type=float, help="the tool runs this long (default 2)")
+    p.add_argument(
+        "--at-once",
+        action="store_true",
+        default=None,
+        help="the newcomers arrive together (one takes the agent's slot), not one by one",
+    )
     p.add_argument("--max-tokens", type=int, help="the agent's reply cap (default 48)")
     p.add_argument("--arms", help="comma-separated: kvproxy, no-rule, ram-cache")
 
