@@ -118,3 +118,24 @@ def test_the_command_line_takes_the_toolloop_flags() -> None:
     assert (args.loops, args.tool_seconds, args.arms, args.slots) == (3, 1.5, "no-rule", None)
     assert args.at_once is None  # the options' default
     assert build_parser().parse_args(["bench", "toolloop", "--at-once"]).at_once is True
+
+
+def test_out_writes_the_toolloop_section(tmp_path: Path) -> None:
+    from kvproxy_bench.command import write_outputs
+
+    head = {
+        "command": "kvproxy bench toolloop",
+        "date": "2026-12-06 07:23 UTC",
+        "machine": {"cpu": "x", "cores": 2, "ram_gib": 1.0, "os": "Linux", "python": "3.11"},
+        "llama_server": {"build": "b", "binary": "/bin/llama-server"},
+        "model": {"path": "/m.gguf", "bytes": 1, "architecture": "gemma3", "class": "swa"},
+        "server_flags": ["--threads", "1"],
+    }
+    run = toolloop.ArmRun(KVPROXY, 3006, [turn(KVPROXY, 1, 0.5, "resident")], prefetches=0)
+    result = toolloop.ToolLoopResult(
+        asdict(toolloop.ToolLoopOptions()) | {"ctx_per_slot": 1}, [run]
+    )
+    write_outputs(tmp_path, head, {"toolloop": result})
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "## toolloop" in text and "resident 1" in text
+    assert (tmp_path / "benchmarks.json").exists()
