@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 
 from kvproxy_bench.fleet import quantile
+from kvproxy_bench.toolcalls import add_call_deltas
 
 
 @dataclass
@@ -25,6 +26,9 @@ class Streamed:
     ttft_s: float  # the first event that carries a choice (the first token)
     times: list[float] = field(default_factory=list)  # perf_counter of each token's event
     content: str = ""
+    # The reply's tool calls as a client assembles them from the deltas (toolcalls.py).
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
     timings: dict[str, Any] = field(default_factory=dict)  # the last event's
     error: str | None = None
 
@@ -93,7 +97,10 @@ async def stream(
                     if first is not None:
                         first.set()
                 out.times.append(now)
-                parts.append((choices[0].get("delta") or {}).get("content") or "")
+                delta = choices[0].get("delta") or {}
+                parts.append(delta.get("content") or "")
+                add_call_deltas(out.tool_calls, delta.get("tool_calls") or [])
+                out.finish_reason = choices[0].get("finish_reason") or out.finish_reason
             out.content = "".join(parts)
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,6 @@
 """`kvproxy bench SCENARIO`: workload, restore, overhead, load; chaos, agents, canonical,
-servers, swaps, fleet, stalls, shared, fim and big (not in `all`). The flags are defined in
-kvproxy/cli/bench.py (parsing them imports nothing from here); `run` gets them.
+servers, swaps, fleet, stalls, shared, fim, big and toolloop (not in `all`). The flags are
+defined in kvproxy/cli/bench.py (parsing them imports nothing from here); `run` gets them.
 
 Every run prints its command line, the machine, the llama-server build and the model, then a
 table per scenario on stdout (progress on stderr). `--out DIR` writes `DIR/benchmarks.md`,
@@ -187,6 +187,20 @@ async def _run(args: argparse.Namespace) -> int:
                 res = await big.run_big(env, bopts)
                 text = big_report.markdown(res)
                 checks += big_report.checks(res)
+            elif name == "toolloop":
+                from kvproxy_bench import toolloop
+
+                topts = toolloop.ToolLoopOptions(
+                    **_given(
+                        args,
+                        *("loops", "slots", "newcomers", "prompt_tokens", "newcomer_tokens"),
+                        *("tool_seconds", "at_once", "max_tokens"),
+                    )
+                )
+                if args.arms is not None:
+                    topts.arms = arms_of(args.arms, toolloop.TOOLLOOP_ARM_FLAGS)
+                res = await toolloop.run_toolloop(env, topts)
+                text = toolloop.markdown(res)
             elif name == "servers":
                 from kvproxy_bench import servers
 

@@ -143,6 +143,13 @@ def document(head: dict[str, Any], results: dict[str, Any], images: dict[str, st
             text += f"\n\n![Returning TTFT and restore throughput]({images['big']})"
         parts.append(text)
         checks += big_report.checks(results["big"])
+    if "toolloop" in results:
+        from kvproxy_bench import toolloop
+
+        parts.append(
+            f"## toolloop: a tool result while newcomers want the slots\n\n{toolloop.__doc__}\n"
+            + toolloop.markdown(results["toolloop"])
+        )
     if "agents" in results:
         parts.append(agents.METHOD + "\n" + agents.markdown(results["agents"]))
         checks += agents.checks(results["agents"])

@@ -75,3 +75,24 @@ def with_result(
     calls = message["tool_calls"]
     echoed = {"role": "assistant", "content": message.get("content") or None, "tool_calls": calls}
     return [*messages, echoed, {"role": "tool", "tool_call_id": calls[0]["id"], "content": result}]
+
+
+def add_call_deltas(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    """Adds a streamed event's `tool_calls` deltas to `calls`, as OpenAI's SDKs assemble them:
+    a delta's `index` names its call; the first carries its id, type and name, and every one
+    a piece of the arguments."""
+    for delta in deltas:
+        index = int(delta.get("index", 0))
+        while len(calls) <= index:
+            calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call = calls[index]
+        call["id"] = delta.get("id") or call["id"]
+        call["type"] = delta.get("type") or call["type"]
+        function = delta.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+
+
+def reply_of(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed reply as `with_result` takes it (a non-streamed reply's body)."""
+    return {"choices": [{"message": {"content": content or None, "tool_calls": calls}}]}

@@ -185,6 +185,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--arms", help="comma-separated: ram-cache, kvproxy, no-cache")
 
+    p = scenarios.add_parser(
+        "toolloop", help="a tool result's TTFT while newcomers want the slots (Gemma, tools)"
+    )
+    _common(p)
+    p.add_argument("--loops", type=int, help="tool calls of the agent (default 5)")
+    p.add_argument("--slots", type=int, help="S (default 2)")
+    p.add_argument("--newcomers", type=int, help="new conversations per call (default: S)")
+    p.add_argument("--prompt-tokens", type=int, help="the agent's conversation (default 3000)")
+    p.add_argument("--newcomer-tokens", type=int, help="each newcomer's prompt (default 100)")
+    p.add_argument("--tool-seconds", type=float, help="the tool runs this long (default 2)")
+    p.add_argument(
+        "--at-once",
+        action="store_true",
+        default=None,
+        help="the newcomers arrive together (one takes the agent's slot), not one by one",
+    )
+    p.add_argument("--max-tokens", type=int, help="the agent's reply cap (default 48)")
+    p.add_argument("--arms", help="comma-separated: kvproxy, no-rule, ram-cache")
+
     p = scenarios.add_parser("all", help="every scenario with its defaults (workload --restart)")
     _common(p)
     p.add_argument("--max-ctx", type=int, default=MAX_CTX, help="restore: largest size")
