@@ -202,20 +202,22 @@ async def test_big_runs_every_step_against_the_fake(tmp_path: Path) -> None:
     }
     assert point.saves and all(s.bytes > 0 for s in point.saves)  # kvproxy's, from its log
     assert point.rss and {s.phase for s in point.rss} >= {"fill", "streams", "after restart"}
-    down = point.shutdown
-    assert down is not None and down.exit_code == 0 and down.held_slots == 2
-    assert [r.cache_state for r in down.back] == ["restored", "restored"]
+    for down in (point.idle_shutdown, point.shutdown):
+        assert down is not None and down.exit_code == 0 and down.held_slots == 2
+        assert [r.cache_state for r in down.back] == ["restored", "restored"]
+    idle = point.idle_shutdown
+    assert idle is not None and idle.idled > 0 and idle.unsaved_slots == 0 and not idle.saves
     kept = point.kept
-    assert kept is not None and kept.turns == 5 and kept.files >= 1
+    assert kept is not None and kept.turns == 7 and kept.files >= 1
     assert kept.newest_bytes <= kept.bytes <= kept.dir_bytes
 
     again = result_from_json(orjson.loads(orjson.dumps(result.to_json())))
     assert again.points == result.points  # a run's JSON prints the same tables again
     text = big_report.markdown(result)
-    for heading in ("time to first token", "disk's own read", "SIGTERM", "five turns"):
+    for heading in ("time to first token", "disk's own read", "SIGTERM", "after its turns"):
         assert heading in text
     verdicts = {c.target.split(",")[0]: c for c in big_report.checks(result)}
-    assert len(verdicts) == 8
+    assert len(verdicts) == 9
     ttfts = [c for k, c in verdicts.items() if "re-prefill" in k]
     assert len(ttfts) == 2 and {c.met for c in ttfts} == {None}  # at 8k tokens, not at 700
     big_report.plot(result, tmp_path / "big.png")

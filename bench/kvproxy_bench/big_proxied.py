@@ -30,6 +30,9 @@ from kvproxy_bench.stalls import _counts
 
 NEWCOMER = [{"role": "user", "content": "Hello, a new conversation here."}]
 BUSY = "cold, busy"  # A's return right after the others' turns
+# How long the idle shutdown waits for kvproxy's idle saves: --idle-save-after, then a GiB
+# state's write each, on a slow disk.
+IDLE_WAIT_S = 300.0
 
 
 class Proxied:
@@ -68,14 +71,18 @@ class Proxied:
         await self._return("warm", cold=False)
         self.rss.phase = "streams"
         await self._streams(run.others[0])
-        self.rss.phase = "shutdown"
         convs = [A, *run.others][: run.opts.slots]
-        await self._shutdown(convs)
-        self.rss.phase = "after restart"
-        await self.arm.start()
-        await _cache_open(self.arm)
-        await self._kept()
-        await self._back(convs)
+        # Once with every slot idle past --idle-save-after (kvproxy saved them: nothing left
+        # to write), then right after every slot's new turn (everything left to write).
+        for idle in (True, False):
+            self.rss.phase = "shutdown"
+            out = await self._shutdown(convs, idle)
+            self.rss.phase = "after restart"
+            await self.arm.start()
+            await _cache_open(self.arm)
+            if not idle:
+                await self._kept()
+            await self._back(convs, out)
 
     async def _evict_a(self) -> None:
         """The others come back, each into the least recently used slot (A's last), and
@@ -131,11 +138,16 @@ class Proxied:
             StreamRun(KVPROXY, "with a save", loaded.times, windows, counts, loaded.error)
         )
 
-    async def _shutdown(self, convs: list[int]) -> None:
-        """Each slot gets a turn (its state unsaved), then SIGTERM at once."""
+    async def _shutdown(self, convs: list[int], idle: bool) -> ShutdownRun:
+        """Each slot gets a turn (its state unsaved), then SIGTERM: at once, or with `idle`
+        once kvproxy has saved every slot (its idle checkpoint)."""
         run, arm = self.run, self.arm
         out = ShutdownRun()
         await asyncio.gather(*(run.turn(arm.url, self.talk, c) for c in convs))
+        if idle:
+            began = time.perf_counter()
+            await _saved(arm, 0, IDLE_WAIT_S)
+            out.idled = time.perf_counter() - began
         per_token = self.point.bytes_per_token or await asyncio.to_thread(_per_token, arm)
         held = [s for s in (await arm.stats())["slots"] if s.get("n_tokens")]
         unsaved = [s for s in held if not s.get("saved")]
@@ -144,19 +156,23 @@ class Proxied:
         out.unsaved_bytes = int(sum(s["n_tokens"] for s in unsaved) * per_token)
         start = await asyncio.to_thread(big_log.offset, arm.log_path)
         process = arm.proc.process
-        self.point.shutdown = out  # recorded once there is a SIGTERM to time
+        # Recorded once there is a SIGTERM to time.
+        if idle:
+            self.point.idle_shutdown = out
+        else:
+            self.point.shutdown = out
         started = time.perf_counter()
         await arm.stop()
         out.seconds = time.perf_counter() - started
         out.exit_code = process.returncode if process is not None else None
         span = await asyncio.to_thread(big_log.read_span, arm.log_path, start)
         out.saves, out.lost = span.saves, span.lost
-        progress(f"  SIGTERM: {out.seconds:.1f} s, {len(out.saves)} saves, lost: {out.lost}")
+        when = f"after {out.idled:.0f} s idle" if idle else "at once"
+        progress(f"  SIGTERM {when}: {out.seconds:.1f} s, {len(out.saves)} saves, lost: {out.lost}")
+        return out
 
-    async def _back(self, convs: list[int]) -> None:
+    async def _back(self, convs: list[int], shutdown: ShutdownRun) -> None:
         """After the restart, every conversation SIGTERM found in a slot comes back."""
-        shutdown = self.point.shutdown
-        assert shutdown is not None
         for conv in convs:
             what = f"after restart ({conv})"
             back, got = await self.run.ask(KVPROXY, what, self.arm.url, self.talk.next[conv])

@@ -36,8 +36,8 @@ class BigOptions:
         return min(size, self.others_tokens)
 
     def ctx_per_slot(self, size: int) -> int:
-        # A is sized from two probes (it may come out a few % long), then takes six turns of
-        # ~70 tokens (a reply, a question); the streams' prompts are short.
+        # A is sized from two probes (it may come out a few % long), then takes up to nine turns
+        # of ~70 tokens (a reply, a question); the streams' prompts are short.
         need = max(size + size // 16, self.stream_tokens) + 1024
         return -(-need // 256) * 256
 
@@ -83,6 +83,9 @@ class StreamRun:
 
 @dataclass
 class ShutdownRun:
+    # Seconds the slots idled before SIGTERM, until kvproxy had saved every one (0: SIGTERM
+    # right after their new turns).
+    idled: float = 0.0
     held_slots: int = 0
     held_bytes: int = 0
     unsaved_slots: int = 0
@@ -117,7 +120,8 @@ class SizePoint:
     streams: list[StreamRun] = field(default_factory=list)
     saves: list[LoggedSave] = field(default_factory=list)  # kvproxy's, all of them
     disk: DiskWrite | None = None
-    shutdown: ShutdownRun | None = None
+    shutdown: ShutdownRun | None = None  # right after every slot's new turn
+    idle_shutdown: ShutdownRun | None = None  # once the slots idled and kvproxy saved them
     kept: Kept | None = None
     rss: list[RssSample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -141,15 +145,6 @@ def result_from_json(data: dict[str, Any]) -> BigResult:
     points = []
     for raw in data["points"]:
         p = dict(raw)
-        shutdown = p.get("shutdown")
-        if shutdown is not None:
-            shutdown = ShutdownRun(
-                **{
-                    **shutdown,
-                    "saves": [LoggedSave(**s) for s in shutdown["saves"]],
-                    "back": [Returning(**r) for r in shutdown["back"]],
-                }
-            )
         streams = [
             StreamRun(**{**s, "windows": [Window(**w) for w in s["windows"]]}) for s in p["streams"]
         ]
@@ -162,10 +157,18 @@ def result_from_json(data: dict[str, Any]) -> BigResult:
                     "streams": streams,
                     "saves": [LoggedSave(**s) for s in p["saves"]],
                     "disk": DiskWrite(**p["disk"]) if p.get("disk") else None,
-                    "shutdown": shutdown,
+                    "shutdown": _shutdown_from_json(p.get("shutdown")),
+                    "idle_shutdown": _shutdown_from_json(p.get("idle_shutdown")),
                     "kept": Kept(**p["kept"]) if p.get("kept") else None,
                     "rss": [RssSample(**s) for s in p["rss"]],
                 }
             )
         )
     return BigResult(options=data["options"], points=points)
+
+
+def _shutdown_from_json(raw: dict[str, Any] | None) -> ShutdownRun | None:
+    if raw is None:
+        return None
+    saves = [LoggedSave(**s) for s in raw["saves"]]
+    return ShutdownRun(**{**raw, "saves": saves, "back": [Returning(**r) for r in raw["back"]]})

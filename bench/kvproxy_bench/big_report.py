@@ -54,7 +54,7 @@ def markdown(result: BigResult) -> str:
         _rss(pts),
         "SIGTERM right after every slot got a new turn, then a restart",
         _shutdown(pts),
-        "Disk kept for the returning conversation after its five turns",
+        "Disk kept for the returning conversation after its turns",
         _kept(pts),
     ]
     text = "\n\n".join(f"**{p}**" if i % 2 == 0 else p for i, p in enumerate(parts))
@@ -313,23 +313,25 @@ def _rss(pts: list[SizePoint]) -> str:
 def _shutdown(pts: list[SizePoint]) -> str:
     rows = []
     for p in pts:
-        s = p.shutdown
-        if s is None:
-            continue
-        back = sum(r.cache_state == "restored" for r in s.back)
-        rows.append(
-            [
-                tokens_of(p),
-                f"{s.held_slots} ({gib(s.held_bytes)})",
-                f"{s.unsaved_slots} ({gib(s.unsaved_bytes)})",
-                f"{s.seconds:.1f} s" + ("" if s.exit_code == 0 else f" (exit {s.exit_code})"),
-                f"{len(s.saves)} ({gib(sum(x.bytes for x in s.saves))})",
-                "; ".join(s.lost) or "nothing",
-                f"{back}/{len(s.back)}",
-            ]
-        )
+        for s in (p.idle_shutdown, p.shutdown):
+            if s is None:
+                continue
+            back = sum(r.cache_state == "restored" for r in s.back)
+            rows.append(
+                [
+                    tokens_of(p),
+                    f"after {s.idled:.0f} s idle (kvproxy saved them)" if s.idled else "at once",
+                    f"{s.held_slots} ({gib(s.held_bytes)})",
+                    f"{s.unsaved_slots} ({gib(s.unsaved_bytes)})",
+                    f"{s.seconds:.1f} s" + ("" if s.exit_code == 0 else f" (exit {s.exit_code})"),
+                    f"{len(s.saves)} ({gib(sum(x.bytes for x in s.saves))})",
+                    "; ".join(s.lost) or "nothing",
+                    f"{back}/{len(s.back)}",
+                ]
+            )
     cols = [
         "tokens",
+        "SIGTERM after the new turns",
         "slots held",
         "unsaved at SIGTERM",
         "SIGTERM → exit",

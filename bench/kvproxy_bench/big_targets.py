@@ -150,16 +150,29 @@ def checks(result: BigResult) -> list[Check]:
                 None if growth is None else growth[1] < RSS_FLAT_BYTES,
             )
         )
-        s = p.shutdown
+        s = p.idle_shutdown
         if s is not None:
             back = sum(r.cache_state == "restored" for r in s.back)
             met = s.seconds <= SHUTDOWN_TARGET_S and not s.lost and back == len(s.back)
             out.append(
                 Check(
-                    f"big: SIGTERM within {SHUTDOWN_TARGET_S:.0f} s, nothing lost (4 × 1 GiB), {n}",
+                    f"big: SIGTERM within {SHUTDOWN_TARGET_S:.0f} s, nothing idle lost "
+                    f"(4 × 1 GiB), {n}",
                     f"{s.held_slots} × {gib(s.held_bytes / max(s.held_slots, 1))}: "
                     f"{s.seconds:.1f} s, {back}/{len(s.back)} restored",
                     met,
+                )
+            )
+        s = p.shutdown
+        if s is not None:
+            out.append(
+                Check(
+                    f"big: SIGTERM right after new turns stops within {SHUTDOWN_TARGET_S:.0f} s "
+                    f"and names what it could not save, {n}",
+                    f"{s.held_slots} × {gib(s.held_bytes / max(s.held_slots, 1))}: "
+                    f"{s.seconds:.1f} s, {len(s.saves)} saved, {len(s.lost)} named",
+                    s.seconds <= SHUTDOWN_TARGET_S
+                    and len(s.saves) + len(s.lost) >= s.unsaved_slots,
                 )
             )
         k = p.kept
