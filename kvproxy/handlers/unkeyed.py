@@ -132,9 +132,9 @@ class Unkeyed:
             await self.work.verify(slot)
             if gated and self.work.worth_saving(slot):
                 async with self.gate.turn(slot):
-                    await self.work.save_if_worth(slot)
+                    await self.work.save_if_worth(slot, commit_later=True)
             else:
-                await self.work.save_if_worth(slot)
+                await self.work.save_if_worth(slot, commit_later=True)
         except UpstreamError as exc:
             log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
             slot.forget()

@@ -222,8 +222,7 @@ class Store(OfflineStore):
         return self.summary
 
     async def forget_removed_async(self) -> list[str]:
-        """Rows are the truth: nothing to forget when `kvproxy rm|gc` removed entries; the
-        summary is refreshed. Kept for housekeeping's call; always []."""
+        """The summary refreshed (rows are the truth: nothing to forget); always []."""
         await self.refresh_async()
         return []
 
@@ -322,6 +321,30 @@ class Store(OfflineStore):
         finally:
             self._watchers.remove(seen)
         return [v for v in victims if v.key not in seen]
+
+    async def supersede_async(
+        self, entry: Entry, choose: Callable[[list[Entry]], list[str]]
+    ) -> list[Entry]:
+        """Remove the entries `entry` (committed) extends that `choose` names (lineage.py), and
+        their files; those removed. Those pinned for a restore or being committed stay."""
+        chain, ns = entry.chain[:-1], entry.namespace
+        seen = set(self._committing)
+        pinned = frozenset(self._pinned) | frozenset(seen)
+        self._watchers.append(seen)
+
+        def work(db: IndexDB) -> list[Entry]:
+            older = [e for e in map(db.get, chain) if e is not None and e.namespace == ns]
+            names = set(choose(older))
+            return db.delete_many([e for e in older if e.key in names and e.key not in pinned])
+
+        try:
+            removed = await self._db(work, then=self._evicted)
+        finally:
+            self._watchers.remove(seen)
+        removed = [e for e in removed if e.key not in seen]
+        if removed:
+            await self.delete_files_async(removed)
+        return removed
 
     async def delete_files_async(self, victims: list[Entry]) -> None:
         """Delete the files of entries `select_victims_async` took out of the index."""

@@ -1,0 +1,58 @@
+"""A save a request waits for costs the server's write, not the commit (fsync, checksum,
+index row): the commit follows in the background, and the state is only restored once it
+is committed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvproxy.store import Entry
+from kvproxy.store.files import TMP_MARK, StoreFiles
+
+from .conftest import Maker, committed
+from .test_cache import chat, conv, settle, then
+
+
+@pytest.fixture
+def held_commits(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every commit blocks (on its thread, as an fsync of a big state would) until the event
+    is set; the test sets it before it ends."""
+    release = threading.Event()
+    commit = StoreFiles.commit
+
+    def blocked(self: StoreFiles, entry: Entry, temp: str, old: Entry | None) -> Entry | None:
+        release.wait(60)
+        return commit(self, entry, temp, old)
+
+    monkeypatch.setattr(StoreFiles, "commit", blocked)
+    return release
+
+
+async def test_the_request_that_vacates_a_slot_waits_for_no_commit(
+    make: Maker, held_commits: threading.Event
+) -> None:
+    fake, proxy = await make(server={"n_slots": 1}, live_window=0)
+    try:
+        _, r1, _ = await chat(proxy, conv(1))
+        # Conversation 2 takes the only slot: 1 is saved first, its commit held back.
+        status, r2, h2 = await asyncio.wait_for(chat(proxy, conv(2)), 30)
+        assert status == 200 and r2["choices"][0]["message"]["content"].startswith("Echo:")
+        assert h2["X-KVProxy-Cache"] == "miss"
+        saved = [a for a in fake.actions if a[0] == "save"]
+        assert len(saved) == 1  # the server wrote conversation 1 ...
+        assert committed(fake.save_dir) == set()  # ... and nothing is committed yet
+        assert any(TMP_MARK in p.name for p in Path(fake.save_dir).iterdir())
+        # Conversation 1 comes back while its commit is held: it waits for it, then restores.
+        back = asyncio.ensure_future(chat(proxy, then(conv(1), r1)))
+        await asyncio.sleep(0.3)
+        assert not back.done()
+        held_commits.set()
+        status, _, h1 = await asyncio.wait_for(back, 30)
+        assert status == 200 and h1["X-KVProxy-Cache"] == "restored"
+    finally:
+        held_commits.set()
+    await settle(proxy)
