@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,3 +57,55 @@ async def test_the_request_that_vacates_a_slot_waits_for_no_commit(
     finally:
         held_commits.set()
     await settle(proxy)
+
+
+def _state_files(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir() if p.name.endswith((".kv", ".msgs")))
+
+
+async def test_a_save_bigger_than_the_whole_budget_is_not_attempted(make: Maker) -> None:
+    """A ~26 KB state under a 10 KB --max-disk: the first is written (its size not known
+    yet) and dropped; the next is not even asked of the server. Requests are all answered,
+    nothing is left on disk, and /metrics counts both."""
+    from .test_metrics import parse, scrape, total
+
+    fake, proxy = await make(server={"n_slots": 1}, live_window=0, max_disk=10_000)
+    for c in (1, 2, 3):
+        status, body, _ = await chat(proxy, conv(c))
+        assert status == 200 and body["choices"][0]["message"]["content"].startswith("Echo:")
+    await settle(proxy)
+    assert len([a for a in fake.actions if a[0] == "save"]) == 1  # 2's save never asked for
+    assert _state_files(fake.save_dir) == [] and committed(fake.save_dir) == set()
+    assert not [p for p in Path(fake.save_dir).iterdir() if TMP_MARK in p.name]
+    _, text = await scrape(proxy)
+    assert total(parse(text), "kvproxy_saves_over_budget_total") == 2
+
+
+async def test_room_is_made_before_a_save_not_after(
+    make: Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--max-disk holds for two states: the third save evicts the oldest before the server
+    writes it, so the dir never holds more than the budget, the write included."""
+    fake, proxy = await make(server={"n_slots": 1}, live_window=0, max_disk=70_000)
+    cache = Path(fake.save_dir)
+    peaks: list[int] = []
+    save = fake._save
+
+    def measured(*args: Any) -> Any:
+        status, body = save(*args)
+        peaks.append(
+            sum(
+                p.stat().st_size
+                for p in cache.iterdir()
+                if TMP_MARK in p.name or p.name.endswith((".kv", ".msgs"))
+            )
+        )
+        return status, body
+
+    monkeypatch.setattr(fake, "_save", measured)
+    for c in (1, 2, 3, 4, 5):
+        status, _, _ = await chat(proxy, conv(c))
+        assert status == 200
+        await settle(proxy)
+    assert len(peaks) == 4 and len(committed(cache)) == 2
+    assert max(peaks) <= 70_000, peaks

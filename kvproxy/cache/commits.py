@@ -12,22 +12,30 @@ which the next start sweeps: no half entry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.disktrouble import DiskTrouble
 from kvproxy.cache.events import Count, SlotActionEvent
 from kvproxy.cache.faults import SAVING
 from kvproxy.cache.lineage import Older, superseded
+from kvproxy.cache.pace import PacedEvents
 from kvproxy.cache.policy import RestoreRule, reuse_rule
 from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slots import Holding, Slot
 from kvproxy.store import Entry
 from kvproxy.store.entry import TURN
+from kvproxy.store.files import SIDECAR_SUFFIXES
 
 log = logging.getLogger("kvproxy.cache")
+
+# A holding's token count beyond this is a placeholder (not known yet), not a size.
+UNKNOWN_TOKENS = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -47,23 +55,38 @@ class Commits:
     def __init__(self, ctx: CacheContext, trouble: DiskTrouble, under_way: SavesUnderWay) -> None:
         self.store = ctx.store
         self.backend = ctx.backend
+        self.pace = ctx.events.pace if isinstance(ctx.events, PacedEvents) else None
         self.events = ctx.events
         self.background = ctx.background
         self.trouble = trouble
         self.under_way = under_way
+        self.in_flight = 0  # estimated bytes of states written, their commits under way
 
     def later(self, w: Written) -> None:
         """The slot is saved as far as its next user cares (the state is in the page cache);
         the commit runs in the background, the key under way until it ends."""
         w.slot.mark_saved()
+        size = self.estimate(w.entry.n_tokens) or 0
+        self.in_flight += size  # on disk, not yet in the index's totals: room_for counts it
         commit = asyncio.ensure_future(self.commit(w))
+        commit.add_done_callback(lambda _: self._landed(size))
         self.under_way.committing(w.holding.key, commit)
         self.background.track(commit, "committing saves")
+
+    def _landed(self, size: int) -> None:
+        self.in_flight -= size
 
     async def commit(self, w: Written) -> bool:
         """Commit a state the server wrote under `w.temp`: True when it is in the index."""
         slot = w.slot
         write_ms = (time.perf_counter() - w.started) * 1000
+        written = await asyncio.to_thread(_written, self.store.root, w.temp)
+        if 0 < self.store.max_bytes < written:  # the estimate was low, or none
+            await self.failed(w.started, w.temp)
+            if self.pace is not None:
+                self.pace.sized(written, w.entry.n_tokens)  # the next one is not written
+            self.too_big(slot, w.holding, written, "written:")
+            return False
         try:
             entry = await self.store.commit_async(w.entry, w.temp)
         except FileNotFoundError as exc:  # saved into another dir, or deleted meanwhile
@@ -155,6 +178,51 @@ class Commits:
 
     # --- the budget
 
+    def estimate(self, n_tokens: int) -> int | None:
+        """A state of `n_tokens` tokens in bytes (pace.py: this server's last save or restore,
+        else the model's KV geometry); None when not known."""
+        if self.pace is None or not 0 < n_tokens < UNKNOWN_TOKENS:
+            return None
+        return self.pace.state_bytes(n_tokens)
+
+    async def room_for(self, slot: Slot, holding: Holding) -> bool:
+        """Before the server writes `holding`'s state: room made under --max-disk for its
+        estimated size, so the budget holds while the write runs (the older states it will
+        supersede still count until it is committed). False when it is not to be attempted:
+        it alone is bigger than the whole budget (logged, counted; the slot is then treated
+        as holding nothing worth keeping, so it is not tried again)."""
+        budget, size = self.store.max_bytes, self.estimate(holding.n_tokens)
+        if budget <= 0 or size is None:
+            return True
+        if size > budget:
+            self.too_big(slot, holding, size, "estimated")
+            return False
+        try:
+            victims = await self.store.select_victims_async(incoming=size + self.in_flight)
+        except OSError as exc:  # the index cannot be written (a full disk): saved anyway
+            self.trouble.error(f"evicting cache entries failed: {exc}")
+            return True
+        if victims:
+            self.events.count(Count.EVICTION, len(victims))
+            log.info("evicting %d cache entries for a save of ~%d bytes", len(victims), size)
+            await self.store.delete_files_async(victims)
+        return True
+
+    def too_big(self, slot: Slot, holding: Holding, size: int, how: str) -> None:
+        log.warning(
+            "not saving slot %d (%s, %d tokens): its state (%s %d bytes) is bigger than the "
+            "whole --max-disk budget (%d bytes)",
+            slot.id,
+            holding.key[:12],
+            holding.n_tokens,
+            how,
+            size,
+            self.store.max_bytes,
+        )
+        self.events.count(Count.SAVE_TOO_BIG)
+        if slot.holding is holding:
+            slot.mark_saved()  # nothing to keep of it: not tried again
+
     async def evict(self) -> None:
         try:
             victims = await self.store.select_victims_async()
@@ -165,3 +233,12 @@ class Commits:
             self.events.count(Count.EVICTION, len(victims))
             log.info("evicting %d cache entries", len(victims))
             await self.store.delete_files_async(victims)
+
+
+def _written(root: Path, temp: str) -> int:
+    """Bytes the server wrote under `temp` (with its sidecars); 0 when there is nothing."""
+    total = 0
+    for path in [root / temp, *(root / f"{temp}{s}" for s in SIDECAR_SUFFIXES)]:
+        with contextlib.suppress(OSError):
+            total += os.lstat(path).st_size
+    return total

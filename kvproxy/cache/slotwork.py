@@ -188,6 +188,8 @@ class SlotWork:
         if stop():
             log.debug("slot %d: background save gives way to a request", slot.id)
             return False
+        if not await self.commits.room_for(slot, holding):
+            return False
         temp = self.store.temp_name(holding.key)
         started = time.perf_counter()
         try:

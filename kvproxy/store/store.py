@@ -4,22 +4,18 @@ that keep it and the files in step.
 Who touches what. The index lives in the database: the proxy keeps only the pins of entries
 being restored, the operations in flight per key, a summary (entry count and bytes, one row
 the triggers keep) refreshed after each write, and the first two keys of every entry
-(`kvproxy.store.heads`: a new session's lookup answered without a query). In the proxy every
-query and write runs on one dedicated thread with one connection (`_db`), file I/O in
-`asyncio.to_thread` (`StoreFiles`), and their results are applied on the event loop: the loop
-never waits for SQLite or the disk. `kvproxy ls|rm|gc` (no event loop) call the synchronous
-methods (`kvproxy.store.offline`), which use a connection of the calling thread; never hand
-those to a thread from the proxy. Several processes share the database safely (SQLite's
-locking, WAL); rows are the truth, so a proxy sees what `kvproxy rm|gc` did at its next
-query, and its heads once housekeeping's next tick (every second) saw another process write.
+(`kvproxy.store.heads`). In the proxy every query and write runs on one thread with one
+connection (`_db`), file I/O in `asyncio.to_thread` (`StoreFiles`), results applied on the
+event loop: the loop never waits for SQLite or the disk. `kvproxy ls|rm|gc` (no event loop)
+call the synchronous methods (`kvproxy.store.offline`) on a connection of the calling thread.
+Several processes share the database safely (SQLite's locking, WAL); rows are the truth.
 
 Order on disk. The `*_async` operations that change a key's files (commit, delete) run one
-at a time per key, in the order the loop issued them, and finish even if the request that
-asked for them is cancelled. A commit deletes the key's old row before its files change and
-writes the new row after they are in place (the row is the commit marker); a deletion drops
-the row before the files. An eviction's victims are rows the eviction deleted; their files are
-deleted unless a commit of the same key was in flight meanwhile (the files are that commit's
-by then).
+at a time per key, in issue order, and finish even if their request is cancelled. A commit
+deletes the key's old row before its files change and writes the new row after they are in
+place (the row is the commit marker; a commit that fails leaves none of the key's files); a
+deletion drops the row before the files. An eviction's victims are rows it deleted; their
+files are deleted unless a commit of the same key was in flight meanwhile (they are its).
 """
 
 from __future__ import annotations
@@ -256,7 +252,11 @@ class Store(OfflineStore):
     async def _commit_steps(self, entry: Entry, temp: str) -> Entry:
         # The commit marker goes first.
         old = await self._db(lambda db: db.delete(entry.key), then=self._removed)
-        committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
+        try:
+            committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
+        except OSError:  # a full disk mid-commit: no row names the key, so no file may stay
+            await asyncio.to_thread(self.files.delete_key, entry.key)
+            raise
         if committed is None:  # nothing changed on disk: the old entry is still good
             if old is not None:
                 await self._db(lambda db: db.insert(old), then=self.heads.added)
@@ -265,6 +265,10 @@ class Store(OfflineStore):
 
     def _removed(self, row: Entry | None, seq: int) -> None:
         if row is not None:
+            self.heads.removed(row, seq)
+
+    def _evicted(self, rows: list[Entry], seq: int) -> None:
+        for row in rows:
             self.heads.removed(row, seq)
 
     def _orphaned(self, exc: BaseException) -> None:
@@ -277,10 +281,6 @@ class Store(OfflineStore):
         await self._serial(
             (key,), partial(self._db, lambda db: db.touch(key, now, hits), then=self._touched)
         )
-
-    def _evicted(self, rows: list[Entry], seq: int) -> None:
-        for row in rows:
-            self.heads.removed(row, seq)
 
     def _touched(self, row: Entry | None, seq: int) -> None:
         if row is not None:
