@@ -62,22 +62,28 @@ class Commits:
         self.under_way = under_way
         self.in_flight = 0  # estimated bytes of states written, their commits under way
 
-    def later(self, w: Written) -> None:
+    async def later(self, w: Written) -> bool:
         """The slot is saved as far as its next user cares (the state is in the page cache);
-        the commit runs in the background, the key under way until it ends."""
+        the commit runs in the background, the key under way until it ends. A save that left
+        no file is committed now, while the slot is still ours: finding out whether the
+        server saves into another dir takes a second save of the slot (disktrouble.py)."""
+        if not await asyncio.to_thread(os.path.exists, self.store.root / w.temp):
+            return await self.commit(w)
         w.slot.mark_saved()
         size = self.estimate(w.entry.n_tokens) or 0
         self.in_flight += size  # on disk, not yet in the index's totals: room_for counts it
-        commit = asyncio.ensure_future(self.commit(w))
+        commit = asyncio.ensure_future(self.commit(w, later=True))
         commit.add_done_callback(lambda _: self._landed(size))
+        return True
         self.under_way.committing(w.holding.key, commit)
         self.background.track(commit, "committing saves")
 
     def _landed(self, size: int) -> None:
         self.in_flight -= size
 
-    async def commit(self, w: Written) -> bool:
-        """Commit a state the server wrote under `w.temp`: True when it is in the index."""
+    async def commit(self, w: Written, later: bool = False) -> bool:
+        """Commit a state the server wrote under `w.temp`: True when it is in the index.
+        `later`: the slot may be another request's by now: no slot action then."""
         slot = w.slot
         write_ms = (time.perf_counter() - w.started) * 1000
         written = await asyncio.to_thread(_written, self.store.root, w.temp)
@@ -92,7 +98,10 @@ class Commits:
         except FileNotFoundError as exc:  # saved into another dir, or deleted meanwhile
             await self.failed(w.started, w.temp)
             self._not_committed(w)
-            await self.trouble.file_gone(slot.id, exc)
+            if later:
+                self.trouble.error(f"the file of a save of slot {slot.id} was removed: {exc}")
+            else:
+                await self.trouble.file_gone(slot.id, exc)
             return False
         except (OSError, ValueError, KeyError, TypeError) as exc:
             await self.failed(w.started, w.temp, exc)

@@ -225,8 +225,7 @@ class SlotWork:
         written = Written(slot, holding, entry, temp, started, canonical_ms, background)
         if not commit_later:
             return await self.commits.commit(written)
-        self.commits.later(written)
-        return True
+        return await self.commits.later(written)
 
     async def _make_canonical(self, slot: Slot) -> None:
         """Make the slot hold exactly the prefix the conversation's next request starts with
