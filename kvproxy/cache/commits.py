@@ -74,9 +74,9 @@ class Commits:
         self.in_flight += size  # on disk, not yet in the index's totals: room_for counts it
         commit = asyncio.ensure_future(self.commit(w, later=True))
         commit.add_done_callback(lambda _: self._landed(size))
-        return True
         self.under_way.committing(w.holding.key, commit)
         self.background.track(commit, "committing saves")
+        return True
 
     def _landed(self, size: int) -> None:
         self.in_flight -= size
