@@ -1,5 +1,6 @@
 """One conversation, one state on disk: the rule on plain data (lineage.py), and the store
-removing what it names once the newer state is committed."""
+removing what it names once the newer state is committed; room under --max-disk before a
+save (room.py)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,12 @@ async def test_the_store_removes_the_superseded_rows_and_files(tmp_path: Path) -
         assert store.summary.bytes == before - sum(e.on_disk for e in removed)
     finally:
         store.close()
+
+
+def test_room_for_a_save_counts_the_states_still_committing() -> None:
+    from kvproxy.cache.room import Room, room_for
+
+    assert room_for(0, 5_000, 100) == Room(True, 0)  # no budget: nothing to make room for
+    assert room_for(10_000, None, 100) == Room(True, 0)  # size not known: evicted after
+    assert room_for(10_000, 4_000, 3_000) == Room(True, 7_000)
+    assert room_for(10_000, 10_001, 0) == Room(False, 0)  # bigger than all of it: not written

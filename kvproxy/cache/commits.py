@@ -26,6 +26,7 @@ from kvproxy.cache.faults import SAVING
 from kvproxy.cache.lineage import Older, superseded
 from kvproxy.cache.pace import PacedEvents
 from kvproxy.cache.policy import RestoreRule, reuse_rule
+from kvproxy.cache.room import room_for as decide_room
 from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slots import Holding, Slot
 from kvproxy.store import Entry
@@ -195,25 +196,24 @@ class Commits:
         return self.pace.state_bytes(n_tokens)
 
     async def room_for(self, slot: Slot, holding: Holding) -> bool:
-        """Before the server writes `holding`'s state: room made under --max-disk for its
-        estimated size, so the budget holds while the write runs (the older states it will
-        supersede still count until it is committed). False when it is not to be attempted:
-        it alone is bigger than the whole budget (logged, counted; the slot is then treated
-        as holding nothing worth keeping, so it is not tried again)."""
-        budget, size = self.store.max_bytes, self.estimate(holding.n_tokens)
-        if budget <= 0 or size is None:
-            return True
-        if size > budget:
-            self.too_big(slot, holding, size, "estimated")
+        """Before the server writes `holding`'s state: room made under --max-disk (room.py).
+        False when it is not to be attempted: it alone is bigger than the whole budget
+        (logged, counted; the slot then holds nothing worth keeping: not tried again)."""
+        size = self.estimate(holding.n_tokens)
+        room = decide_room(self.store.max_bytes, size, self.in_flight)
+        if not room.write:
+            self.too_big(slot, holding, size or 0, "estimated")
             return False
+        if not room.incoming:
+            return True
         try:
-            victims = await self.store.select_victims_async(incoming=size + self.in_flight)
+            victims = await self.store.select_victims_async(incoming=room.incoming)
         except OSError as exc:  # the index cannot be written (a full disk): saved anyway
             self.trouble.error(f"evicting cache entries failed: {exc}")
             return True
         if victims:
             self.events.count(Count.EVICTION, len(victims))
-            log.info("evicting %d cache entries for a save of ~%d bytes", len(victims), size)
+            log.info("evicting %d cache entries for a save of ~%d bytes", len(victims), size or 0)
             await self.store.delete_files_async(victims)
         return True
 
