@@ -117,16 +117,16 @@ class Commits:
         )
         self.trouble.recovered()
         log.info(
-            "saved slot %d%s: %s, %d tokens, %d bytes in %.1f ms (written in %.1f ms; canonical "
-            "prefix before: %.1f ms)",
+            "saved slot %d%s: %s, %d tokens, %d bytes in %.1f ms (canonical prefix before: "
+            "%.1f ms); written in %.1f ms, then committed",
             slot.id,
             " in the background" if w.background else "",
             w.holding.key[:12],
             entry.n_tokens,
             entry.state_bytes,
             seconds * 1000,
-            write_ms,
             w.canonical_ms,
+            write_ms,
         )
         await self.supersede(entry)
         await self.evict()
