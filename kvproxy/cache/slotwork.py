@@ -200,6 +200,9 @@ class SlotWork:
             if exc.status == 501:
                 self.trouble.no_slot_actions()
             return False
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a reply of another shape
+            await self.commits.failed(started, temp, exc)
+            return False
         if saved.n_saved == 0:
             # Wiped since we last looked (a unified KV cache clears idle slots when another
             # starts): an empty state would be restored as the conversation's.
