@@ -170,7 +170,7 @@ class Commits:
         later save may keep it); else it is lost, as a failed save's state always was once
         its slot went to another conversation."""
         if w.slot.holding is w.holding:
-            w.slot.saved = False
+            w.slot.mark_unsaved()
         else:
             log.warning(
                 "slot %d: the state of %s was written but not committed: lost",
