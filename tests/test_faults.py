@@ -244,3 +244,37 @@ async def test_an_index_the_full_disk_refuses_never_fails_a_request(
     await settle(proxy)
     status, _, h = await chat(proxy, then(conv(1), replies[1], "last"))
     assert status == 200 and h["X-KVProxy-Cache"] == "restored"
+
+
+async def test_a_full_disk_in_the_commit_leaves_no_file_and_keeps_serving(
+    make: Maker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's write fits, then the disk fills while kvproxy commits it (the state is
+    renamed under its key, the conversation's text does not fit): no file of that key stays
+    (none is indexed), every request is answered, and saving resumes once there is room."""
+    from kvproxy.store.files import StoreFiles
+
+    full = True
+    write = StoreFiles._write_messages
+
+    def refusing(self: StoreFiles, key: str, messages: list[Any]) -> int:
+        if full:
+            raise OSError(28, "No space left on device")
+        return write(self, key, messages)
+
+    monkeypatch.setattr(StoreFiles, "_write_messages", refusing)
+    fake, proxy = await make(server={"n_slots": 1}, live_window=0)
+    replies = {}
+    for c in (1, 2, 3):
+        status, replies[c], _ = await chat(proxy, conv(c))
+        assert status == 200 and replies[c]["choices"][0]["message"]["content"].startswith("Echo")
+    await settle(proxy)
+    assert len([a for a in fake.actions if a[0] == "save"]) == 2  # 1 and 2 were written ...
+    assert files(fake.save_dir) == [] and rows(fake.save_dir) == set()  # ... none kept
+    full = False
+    turn2 = then(conv(3), replies[3])
+    status, reply2, _ = await chat(proxy, turn2)
+    await chat(proxy, conv(4))  # 3 is saved on its path now, and kept
+    await settle(proxy)
+    status, _, h = await chat(proxy, then(turn2, reply2, "again"))
+    assert status == 200 and h["X-KVProxy-Cache"] == "restored"

@@ -26,7 +26,12 @@ def state_bytes(n_tokens: int, size: int = 1000) -> bytes:
 
 
 def save(
-    store: Store, messages: int, size: int = 1000, sidecar: bool = False, model: str = ""
+    store: Store,
+    messages: int,
+    size: int = 1000,
+    sidecar: bool = False,
+    model: str = "",
+    kind: str = "",
 ) -> Entry:
     """Do what a save does: the server writes the temp file (and sidecar), we commit."""
     chain = keys.chain(NS, [{"role": "user", "content": f"m{i}"} for i in range(messages)])
@@ -35,7 +40,7 @@ def save(
     if sidecar:
         (store.root / f"{temp}.ckpt").write_bytes(b"c" * 100)
     now = time.time()
-    entry = Entry(chain[-1], NS, 10, 0, messages, now, now, chain=chain, model=model)
+    entry = Entry(chain[-1], NS, 10, 0, messages, now, now, chain=chain, model=model, kind=kind)
     return store.commit(entry, temp)
 
 

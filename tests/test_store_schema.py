@@ -13,6 +13,7 @@ import pytest
 from kvproxy import keys
 from kvproxy.cli import main
 from kvproxy.store import DB_NAME, Store
+from kvproxy.store.entry import TURN
 
 from .test_store import NS, save
 
@@ -37,6 +38,7 @@ def as_schema_1(root: Path) -> None:
     """Take the index back to the layout of schema 1: `entries` without its model column."""
     conn = sqlite3.connect(root / DB_NAME, isolation_level=None)
     try:
+        conn.execute("ALTER TABLE entries DROP COLUMN kind")
         conn.execute("ALTER TABLE entries DROP COLUMN model")
         conn.execute("UPDATE meta SET value = '1' WHERE name = 'schema'")
     finally:
@@ -58,7 +60,7 @@ def test_an_index_without_models_opens_and_keeps_its_entries(
     assert main(["ls", "--json", "--cache-dir", str(root)]) == 0
     listed = orjson.loads(capsys.readouterr().out)
     assert [(e["key"], e["model"]) for e in listed] == [(old.key, None)]
-    assert "model" in columns(root / DB_NAME) and schema_version(root / DB_NAME) == "2"
+    assert "model" in columns(root / DB_NAME) and schema_version(root / DB_NAME) == "3"
 
     store = Store(root, ttl=0, max_bytes=0)
     store.open()
@@ -83,8 +85,31 @@ def test_a_new_index_records_each_entrys_model(tmp_path: Path) -> None:
     store.open()
     entry = save(store, 2, model="org/chat:Q4")
     store.close()
-    assert schema_version(tmp_path / "cache" / DB_NAME) == "2"
+    assert schema_version(tmp_path / "cache" / DB_NAME) == "3"
     again = Store(tmp_path / "cache", ttl=0, max_bytes=0)
     again.open()
     assert again.entries[entry.key].model == "org/chat:Q4"
     again.close()
+
+
+def test_an_index_without_kinds_opens_and_keeps_its_entries_as_shared(tmp_path: Path) -> None:
+    """Schema 2 (before entries were kinded): its entries are kept, of no kind, and a newer
+    state never supersedes them (only the states kvproxy saved as a conversation's turns)."""
+    root = tmp_path / "cache"
+    store = Store(root, ttl=0, max_bytes=0)
+    store.open()
+    old = save(store, 3)
+    store.close()
+    conn = sqlite3.connect(root / DB_NAME, isolation_level=None)
+    try:
+        conn.execute("ALTER TABLE entries DROP COLUMN kind")
+        conn.execute("UPDATE meta SET value = '2' WHERE name = 'schema'")
+    finally:
+        conn.close()
+    store = Store(root, ttl=0, max_bytes=0)
+    store.open()
+    assert "kind" in columns(root / DB_NAME) and schema_version(root / DB_NAME) == "3"
+    assert set(store.entries) == {old.key} and store.entries[old.key].kind == ""
+    new = save(store, 5, kind=TURN)
+    assert store.entries[new.key].kind == TURN
+    store.close()

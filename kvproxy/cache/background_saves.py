@@ -168,7 +168,10 @@ class Warmer:
             with self.gate.pace.timing():
                 await self.work.verify(slot)
                 saved = await self.work.save_if_worth(
-                    slot, background=True, give_way=lambda: self._give_way(slot)
+                    slot,
+                    background=True,
+                    give_way=lambda: self._give_way(slot),
+                    commit_later=True,  # a request's save then waits for no fsync of this one
                 )
         except (UpstreamError, OSError) as exc:
             log.debug("background save of slot %d: %s", slot.id, exc)

@@ -22,6 +22,8 @@ class Count(StrEnum):
     """Things the cache counts that are not a request or a slot action."""
 
     EVICTION = "eviction"  # an entry evicted (TTL or byte budget)
+    SUPERSEDED = "superseded"  # an older state of a conversation a newer one stands for
+    SAVE_TOO_BIG = "save_too_big"  # a save not attempted: bigger than the whole byte budget
     SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
     WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
     PREFETCH = "prefetch"  # a conversation waiting for a tool's result restored ahead of it

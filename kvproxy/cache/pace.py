@@ -67,6 +67,11 @@ class Pace:
             self._writes.append((event.bytes, event.seconds))
             self._saves += 1
 
+    def sized(self, n_bytes: int, n_tokens: int) -> None:
+        """A state's size seen without a save that counts (one written, then not kept)."""
+        if n_bytes > 0 and n_tokens > 0:
+            self._per_token = n_bytes / n_tokens
+
     def replied(self, timings: dict[str, object]) -> None:
         """A reply's timings: the time a generated token took."""
         n, ms = timings.get("predicted_n"), timings.get("predicted_ms")

@@ -106,6 +106,8 @@ class Prefetcher:
             if picked is None:
                 return
             awaited, slot = picked
+            # Its state may still be committing (its slot went to a newcomer): waited for.
+            await self.work.under_way.done(list(awaited.chain))
             found = await self.work.store.lookup_async(list(awaited.chain), awaited.namespace)
             if found is None or found[1] < len(awaited.chain):
                 self._tried.add(awaited.key)  # not on disk whole: its request will prefill
@@ -136,7 +138,7 @@ class Prefetcher:
             if self.work.worth_saving(slot):
                 with self.gate.pace.timing():
                     saved = await self.work.save_if_worth(
-                        slot, background=True, give_way=lambda: self._stop(slot)
+                        slot, background=True, give_way=lambda: self._stop(slot), commit_later=True
                     )
                 if not saved:
                     return

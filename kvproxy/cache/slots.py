@@ -172,6 +172,10 @@ class Slot:
     def mark_saved(self) -> None:
         self.saved = True
 
+    def mark_unsaved(self) -> None:
+        """Its save's commit failed after all: what it holds is on no disk."""
+        self.saved = False
+
     def mark_canonical(self) -> None:
         """The slot now holds exactly its conversation's canonical prefix (canonical/prefix.py)."""
         if self.holding is not None:

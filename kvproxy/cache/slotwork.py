@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.clearing import clear_slot
+from kvproxy.cache.commits import Commits, Written
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.disktrouble import DiskTrouble
 from kvproxy.cache.events import Count, SlotActionEvent
-from kvproxy.cache.faults import SAVING
 from kvproxy.cache.policy import worth_saving
 from kvproxy.cache.refused import kept_for_its_layout
 from kvproxy.cache.saving import SavesUnderWay
@@ -27,6 +27,7 @@ from kvproxy.cache.slots import NOBODY, Holding, Slot
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.api import Restored
 from kvproxy.store import Entry
+from kvproxy.store.entry import SHARED, TURN
 
 log = logging.getLogger("kvproxy.cache")
 
@@ -54,6 +55,7 @@ class SlotWork:
         self.trouble = DiskTrouble(ctx.backend, ctx.settings.cache_dir)
         self.heads = canonical.Heads()  # what the last canonical prefixes tokenised
         self.under_way = SavesUnderWay()
+        self.commits = Commits(ctx, self.trouble, self.under_way)
 
     def worth_saving(self, slot: Slot) -> bool:
         """Is the slot's content not on disk, and worth a file? (policy.worth_saving)"""
@@ -71,11 +73,15 @@ class SlotWork:
         )
 
     async def save_if_worth(
-        self, slot: Slot, background: bool = False, give_way: Callable[[], bool] | None = None
+        self,
+        slot: Slot,
+        background: bool = False,
+        give_way: Callable[[], bool] | None = None,
+        commit_later: bool = False,
     ) -> bool:
         """`save` the slot (ours, verified) when what it holds is worth a file and not on
         disk yet: True when it was saved."""
-        return self.worth_saving(slot) and await self.save(slot, background, give_way)
+        return self.worth_saving(slot) and await self.save(slot, background, give_way, commit_later)
 
     # --- knowing what the slot holds
 
@@ -133,18 +139,39 @@ class SlotWork:
     # --- saving
 
     async def save(
-        self, slot: Slot, background: bool = False, give_way: Callable[[], bool] | None = None
+        self,
+        slot: Slot,
+        background: bool = False,
+        give_way: Callable[[], bool] | None = None,
+        commit_later: bool = False,
+        kind: str = TURN,
     ) -> bool:
         """Save what the slot holds under its key. The slot must be ours and verified.
         `background`: no request waits for it (counted apart); it stops before each of its
         steps on the server when its conversation's turn claims the slot, or when `give_way`
-        says so (another slot's request came: background_saves.py)."""
+        says so (another slot's request came: background_saves.py).
+
+        `commit_later`: return once the server's `action=save` answered (the state is in the
+        page cache, the slot may be given away); the commit (rename, checksum, fsync, index
+        row: `Store.commit_async`, on threads) follows in the background. Until it ends the
+        key stays under way (saving.py), so the conversation's next turn waits for the commit
+        before it looks the state up: it never restores an uncommitted file. A crash before
+        the commit leaves only the temp file, swept at the next start. Without it the commit
+        ends before this returns (a shutdown, an opening others wait for).
+
+        `kind`: a conversation's TURN, or a start SHARED with other sessions (an opening, a
+        stem): lineage.py supersedes only turns."""
         key = slot.holding.key if slot.holding is not None else None
         with self.under_way.saving(key):
-            return await self._save(slot, background, give_way)
+            return await self._save(slot, background, give_way, commit_later, kind)
 
     async def _save(
-        self, slot: Slot, background: bool, give_way: Callable[[], bool] | None
+        self,
+        slot: Slot,
+        background: bool,
+        give_way: Callable[[], bool] | None,
+        commit_later: bool,
+        kind: str,
     ) -> bool:
 
         def stop() -> bool:
@@ -161,72 +188,47 @@ class SlotWork:
         if stop():
             log.debug("slot %d: background save gives way to a request", slot.id)
             return False
+        if not await self.commits.room_for(slot, holding):
+            return False
         temp = self.store.temp_name(holding.key)
         started = time.perf_counter()
         try:
             with slot.acting("saving"):
                 saved = await self.client.save(slot.id, temp)
-            if saved.n_saved == 0:
-                # Wiped since we last looked (a unified KV cache clears idle slots when another
-                # starts): an empty state would be restored as the conversation's.
-                await self._save_failed(started, temp)
-                log.info("slot %d was empty when saved: forgetting %s", slot.id, holding.key[:12])
-                self.events.count(Count.SLOT_RESET)
-                slot.forget()
-                return False
-            now = time.time()
-            entry = Entry(
-                key=holding.key,
-                namespace=holding.namespace,
-                n_tokens=saved.n_saved,
-                state_bytes=0,
-                n_messages=holding.n_messages,
-                created=now,
-                last_used=now,
-                chain=list(holding.chain),
-                messages=list(holding.messages),
-                model=self.backend.model_name,
-            )
-            entry = await self.store.commit_async(entry, temp)
         except UpstreamError as exc:
-            await self._save_failed(started, temp, exc if exc.status != 501 else None)
+            await self.commits.failed(started, temp, exc if exc.status != 501 else None)
             if exc.status == 501:
                 self.trouble.no_slot_actions()
             return False
-        except FileNotFoundError as exc:  # saved into another dir, or deleted meanwhile
-            await self._save_failed(started, temp)
-            await self.trouble.file_gone(slot.id, exc)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a reply of another shape
+            await self.commits.failed(started, temp, exc)
             return False
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            await self._save_failed(started, temp, exc)
+        if saved.n_saved == 0:
+            # Wiped since we last looked (a unified KV cache clears idle slots when another
+            # starts): an empty state would be restored as the conversation's.
+            await self.commits.failed(started, temp)
+            log.info("slot %d was empty when saved: forgetting %s", slot.id, holding.key[:12])
+            self.events.count(Count.SLOT_RESET)
+            slot.forget()
             return False
-        seconds = time.perf_counter() - started
-        self.background.faults.succeeded(SAVING)
-        slot.mark_saved()
-        self.events.slot_action(
-            SlotActionEvent("save", True, saved.n_saved, entry.state_bytes, seconds, background)
+        now = time.time()
+        entry = Entry(
+            key=holding.key,
+            namespace=holding.namespace,
+            n_tokens=saved.n_saved,
+            state_bytes=0,
+            n_messages=holding.n_messages,
+            created=now,
+            last_used=now,
+            chain=list(holding.chain),
+            messages=list(holding.messages),
+            model=self.backend.model_name,
+            kind=kind,
         )
-        self.trouble.recovered()
-        log.info(
-            "saved slot %d%s: %s, %d tokens, %d bytes in %.1f ms (canonical prefix before: "
-            "%.1f ms)",
-            slot.id,
-            " in the background" if background else "",
-            holding.key[:12],
-            saved.n_saved,
-            entry.state_bytes,
-            seconds * 1000,
-            canonical_ms,
-        )
-        await self.evict()
-        return True
-
-    async def _save_failed(self, started: float, temp: str, fault: Exception | None = None) -> None:
-        if fault is not None:  # the server or the disk refused it (a full disk): faults.py
-            self.background.faults.failed(SAVING, fault)
-        seconds = time.perf_counter() - started
-        self.events.slot_action(SlotActionEvent("save", False, seconds=seconds))
-        await asyncio.to_thread(self.store.files.discard_temp, temp)
+        written = Written(slot, holding, entry, temp, started, canonical_ms, background)
+        if not commit_later:
+            return await self.commits.commit(written)
+        return await self.commits.later(written)
 
     async def _make_canonical(self, slot: Slot) -> None:
         """Make the slot hold exactly the prefix the conversation's next request starts with
@@ -277,7 +279,7 @@ class SlotWork:
         if timings is None:
             return None
         slot.evaluated(len(tokens), holding)
-        saved = await self.save(slot)
+        saved = await self.save(slot, kind=SHARED)
         log.info(
             "slot %d: %s %s (%d tokens) %s in %.0f ms",
             slot.id,
@@ -387,12 +389,5 @@ class SlotWork:
     # --- the budget
 
     async def evict(self) -> None:
-        try:
-            victims = await self.store.select_victims_async()
-        except OSError as exc:  # the index cannot be written (a full disk): nothing evicted
-            self.trouble.error(f"evicting cache entries failed: {exc}")
-            return
-        if victims:
-            self.events.count(Count.EVICTION, len(victims))
-            log.info("evicting %d cache entries", len(victims))
-            await self.store.delete_files_async(victims)
+        """TTL first, then the byte budget (commits.py)."""
+        await self.commits.evict()

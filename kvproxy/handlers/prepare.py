@@ -161,7 +161,8 @@ class Preparer:
         if plan.save or plan.leave_opening:
             async with self.gate.turn(slot):
                 if plan.save:
-                    await self.work.save(slot)
+                    # The request waits for the write only; the commit follows (commits.py).
+                    await self.work.save(slot, commit_later=True)
                 if plan.leave_opening:
                     await self.openings.before_reassign(slot, conv)
         if plan.admit:

@@ -51,7 +51,7 @@ class Unkeyed:
             return busy_response(exc)
         lease = Lease(self.pool, [slot], self.background)
         try:
-            await lease.guarded(self._clear_for_foreign_use(slot, gated=True))
+            await lease.guarded(self._clear_for_foreign_use(slot, gated=True, commit_later=True))
             slot.forget()
             if not await lease.guarded(self._admit([slot], request)):
                 return unreachable_response()
@@ -124,17 +124,21 @@ class Unkeyed:
             return False
         return True
 
-    async def _clear_for_foreign_use(self, slot: Slot, gated: bool = False) -> None:
+    async def _clear_for_foreign_use(
+        self, slot: Slot, gated: bool = False, commit_later: bool = False
+    ) -> None:
         """Before a request the cache does not key uses the slot: keep what would be lost
         (`gated`: in a moment when it pauses no other slot's stream; a request holding every
-        slot pauses none)."""
+        slot pauses none). `commit_later`: the request waits for the server's write only
+        (slotwork.py); one holding every slot (a model unloaded, embeddings) waits for the
+        commits too, so what it unloads is in the index when it answers."""
         try:
             await self.work.verify(slot)
             if gated and self.work.worth_saving(slot):
                 async with self.gate.turn(slot):
-                    await self.work.save_if_worth(slot)
+                    await self.work.save_if_worth(slot, commit_later=commit_later)
             else:
-                await self.work.save_if_worth(slot)
+                await self.work.save_if_worth(slot, commit_later=commit_later)
         except UpstreamError as exc:
             log.warning("could not save slot %d before a bypass request: %s", slot.id, exc)
             slot.forget()

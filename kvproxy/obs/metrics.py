@@ -165,6 +165,17 @@ class Metrics:
                 "their request came (prefetch.py).",
                 registry=r,
             ),
+            Count.SUPERSEDED: Counter(
+                "kvproxy_superseded_states",
+                "Older states of a conversation removed once a newer state of it that stands "
+                "for them was committed (one conversation, one state on disk).",
+                registry=r,
+            ),
+            Count.SAVE_TOO_BIG: Counter(
+                "kvproxy_saves_over_budget",
+                "Saves not attempted: the state (as estimated) is bigger than all of --max-disk.",
+                registry=r,
+            ),
         }
 
     def watch(self, cache: Gauged) -> None:

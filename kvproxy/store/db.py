@@ -252,8 +252,8 @@ class IndexDB:
         assert ns is not None  # created if missing
         cur = self.conn.execute(
             "INSERT INTO entries(key, ns, n_tokens, state_bytes, msgs_bytes, n_messages, "
-            "created, last_used, hits, checksum, sidecars, chain, model) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "created, last_used, hits, checksum, sidecars, chain, model, kind) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 entry.key,
                 ns,
@@ -268,6 +268,7 @@ class IndexDB:
                 orjson.dumps(list(entry.sidecars)).decode(),
                 pack_chain(entry.chain),
                 entry.model,
+                entry.kind,
             ),
         )
         eid = int(cur.lastrowid or 0)

@@ -14,6 +14,9 @@ import orjson
 
 from kvproxy.keys import is_key
 
+TURN = "turn"
+SHARED = "shared"
+
 
 @dataclass
 class Entry:
@@ -36,6 +39,11 @@ class Entry:
     # The model the state came from, as `kvproxy ls` names it: a router's model name, else
     # the GGUF file's ("" in entries saved before kvproxy recorded it).
     model: str = ""
+    # What it is kept for: TURN, a conversation's state after a reply (a newer state of the
+    # same conversation that extends it may supersede it: cache/lineage.py), or SHARED, a
+    # start cut for other sessions (an opening, a stem: kept). "" in entries saved before
+    # kvproxy recorded it: kept as SHARED are.
+    kind: str = ""
     # Suffixes after `<key>.kv` of the state's other files (checkpoint sidecars some server
     # builds write): their names are derived from these, never searched for.
     sidecars: tuple[str, ...] = ()

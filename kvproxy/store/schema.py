@@ -25,7 +25,7 @@ import orjson
 from kvproxy.store.entry import Entry
 
 DB_NAME = "index.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 KEY_BYTES = 16  # a key is 32 hex digits (kvproxy.keys)
 
 _SCHEMA = """
@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS entries(
     checksum TEXT NOT NULL,
     sidecars TEXT NOT NULL,
     chain BLOB NOT NULL,
-    model TEXT NOT NULL DEFAULT ''
+    model TEXT NOT NULL DEFAULT '',
+    kind TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_used);
 CREATE INDEX IF NOT EXISTS entries_text ON entries(ns, last_used) WHERE msgs_bytes > 0;
@@ -80,11 +81,13 @@ _SCHEMA += f"INSERT OR IGNORE INTO meta VALUES ('schema', '{SCHEMA_VERSION}');\n
 MIGRATIONS: dict[str, str] = {
     # 2: the model an entry's state came from (a router's model name, or the GGUF file's).
     "1": "ALTER TABLE entries ADD COLUMN model TEXT NOT NULL DEFAULT ''",
+    # 3: what an entry is kept for (Entry.kind): a conversation's turn, or a shared start.
+    "2": "ALTER TABLE entries ADD COLUMN kind TEXT NOT NULL DEFAULT ''",
 }
 
 COLUMNS = (
     "e.id, e.key, n.name, e.n_tokens, e.state_bytes, e.msgs_bytes, e.n_messages, e.created, "
-    "e.last_used, e.hits, e.checksum, e.sidecars, e.chain, e.model"
+    "e.last_used, e.hits, e.checksum, e.sidecars, e.chain, e.model, e.kind"
 )
 FROM = "entries e JOIN namespaces n ON n.id = e.ns"
 
@@ -193,4 +196,5 @@ def entry_of(r: tuple[Any, ...]) -> Entry:
         checksum=r[10],
         chain=unpack_chain(r[12]),
         model=r[13],
+        kind=r[14],
     )

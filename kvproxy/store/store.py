@@ -4,22 +4,18 @@ that keep it and the files in step.
 Who touches what. The index lives in the database: the proxy keeps only the pins of entries
 being restored, the operations in flight per key, a summary (entry count and bytes, one row
 the triggers keep) refreshed after each write, and the first two keys of every entry
-(`kvproxy.store.heads`: a new session's lookup answered without a query). In the proxy every
-query and write runs on one dedicated thread with one connection (`_db`), file I/O in
-`asyncio.to_thread` (`StoreFiles`), and their results are applied on the event loop: the loop
-never waits for SQLite or the disk. `kvproxy ls|rm|gc` (no event loop) call the synchronous
-methods (`kvproxy.store.offline`), which use a connection of the calling thread; never hand
-those to a thread from the proxy. Several processes share the database safely (SQLite's
-locking, WAL); rows are the truth, so a proxy sees what `kvproxy rm|gc` did at its next
-query, and its heads once housekeeping's next tick (every second) saw another process write.
+(`kvproxy.store.heads`). In the proxy every query and write runs on one thread with one
+connection (`_db`), file I/O in `asyncio.to_thread` (`StoreFiles`), results applied on the
+event loop: the loop never waits for SQLite or the disk. `kvproxy ls|rm|gc` (no event loop)
+call the synchronous methods (`kvproxy.store.offline`) on a connection of the calling thread.
+Several processes share the database safely (SQLite's locking, WAL); rows are the truth.
 
 Order on disk. The `*_async` operations that change a key's files (commit, delete) run one
-at a time per key, in the order the loop issued them, and finish even if the request that
-asked for them is cancelled. A commit deletes the key's old row before its files change and
-writes the new row after they are in place (the row is the commit marker); a deletion drops
-the row before the files. An eviction's victims are rows the eviction deleted; their files are
-deleted unless a commit of the same key was in flight meanwhile (the files are that commit's
-by then).
+at a time per key, in issue order, and finish even if their request is cancelled. A commit
+deletes the key's old row before its files change and writes the new row after they are in
+place (the row is the commit marker; a commit that fails leaves none of the key's files); a
+deletion drops the row before the files. An eviction's victims are rows it deleted; their
+files are deleted unless a commit of the same key was in flight meanwhile (they are its).
 """
 
 from __future__ import annotations
@@ -222,8 +218,7 @@ class Store(OfflineStore):
         return self.summary
 
     async def forget_removed_async(self) -> list[str]:
-        """Rows are the truth: nothing to forget when `kvproxy rm|gc` removed entries; the
-        summary is refreshed. Kept for housekeeping's call; always []."""
+        """The summary refreshed (rows are the truth: nothing to forget); always []."""
         await self.refresh_async()
         return []
 
@@ -257,7 +252,11 @@ class Store(OfflineStore):
     async def _commit_steps(self, entry: Entry, temp: str) -> Entry:
         # The commit marker goes first.
         old = await self._db(lambda db: db.delete(entry.key), then=self._removed)
-        committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
+        try:
+            committed = await asyncio.to_thread(self.files.commit, entry, temp, old)
+        except OSError:  # a full disk mid-commit: no row names the key, so no file may stay
+            await asyncio.to_thread(self.files.delete_key, entry.key)
+            raise
         if committed is None:  # nothing changed on disk: the old entry is still good
             if old is not None:
                 await self._db(lambda db: db.insert(old), then=self.heads.added)
@@ -266,6 +265,10 @@ class Store(OfflineStore):
 
     def _removed(self, row: Entry | None, seq: int) -> None:
         if row is not None:
+            self.heads.removed(row, seq)
+
+    def _evicted(self, rows: list[Entry], seq: int) -> None:
+        for row in rows:
             self.heads.removed(row, seq)
 
     def _orphaned(self, exc: BaseException) -> None:
@@ -278,10 +281,6 @@ class Store(OfflineStore):
         await self._serial(
             (key,), partial(self._db, lambda db: db.touch(key, now, hits), then=self._touched)
         )
-
-    def _evicted(self, rows: list[Entry], seq: int) -> None:
-        for row in rows:
-            self.heads.removed(row, seq)
 
     def _touched(self, row: Entry | None, seq: int) -> None:
         if row is not None:
@@ -322,6 +321,30 @@ class Store(OfflineStore):
         finally:
             self._watchers.remove(seen)
         return [v for v in victims if v.key not in seen]
+
+    async def supersede_async(
+        self, entry: Entry, choose: Callable[[list[Entry]], list[str]]
+    ) -> list[Entry]:
+        """Remove the entries `entry` (committed) extends that `choose` names (lineage.py), and
+        their files; those removed. Those pinned for a restore or being committed stay."""
+        chain, ns = entry.chain[:-1], entry.namespace
+        seen = set(self._committing)
+        pinned = frozenset(self._pinned) | frozenset(seen)
+        self._watchers.append(seen)
+
+        def work(db: IndexDB) -> list[Entry]:
+            older = [e for e in map(db.get, chain) if e is not None and e.namespace == ns]
+            names = set(choose(older))
+            return db.delete_many([e for e in older if e.key in names and e.key not in pinned])
+
+        try:
+            removed = await self._db(work, then=self._evicted)
+        finally:
+            self._watchers.remove(seen)
+        removed = [e for e in removed if e.key not in seen]
+        if removed:
+            await self.delete_files_async(removed)
+        return removed
 
     async def delete_files_async(self, victims: list[Entry]) -> None:
         """Delete the files of entries `select_victims_async` took out of the index."""
