@@ -29,6 +29,7 @@ from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.toolloops import Awaited, ToolLoops
 from kvproxy.http.session import UpstreamError
+from kvproxy.obs import readable
 from kvproxy.store import Entry
 
 log = logging.getLogger("kvproxy.cache")
@@ -152,11 +153,11 @@ class Prefetcher:
             return
         self.work.events.count(Count.PREFETCH)
         log.info(
-            "prefetched %s into slot %d: %d tokens in %.0f ms (a tool's result is due)",
+            "prefetched %s into slot %d: %d tokens in %s (a tool's result is due)",
             awaited.key[:12],
             slot.id,
             outcome.n_restored,
-            outcome.ms,
+            readable.duration(outcome.ms / 1000),
         )
 
 

@@ -27,6 +27,7 @@ from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
 from kvproxy.lanes.cache import ConversationCache
+from kvproxy.obs import readable
 from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import RequestLog
@@ -216,7 +217,7 @@ def _bodies_full(settings: Settings) -> web.Response:
     response = error_response(
         503,
         "kvproxy holds as many request bytes as it may "
-        f"(--max-body-memory {settings.max_body_memory.human_readable()}); try again.",
+        f"(--max-body-memory {readable.size(settings.max_body_memory)}); try again.",
         "body_memory_full",
     )
     response.headers["Retry-After"] = "1"
@@ -346,7 +347,7 @@ def _path_qs(path: str, request: web.Request) -> str:
 def _too_large(settings: Settings) -> web.Response:
     return error_response(
         413,
-        f"Request body is larger than the proxy's limit of {settings.max_body.human_readable()} "
+        f"Request body is larger than the proxy's limit of {readable.size(settings.max_body)} "
         "(raise it with --max-body).",
         "request_too_large",
     )

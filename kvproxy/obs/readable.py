@@ -19,22 +19,19 @@ def size(n_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-def duration(seconds: float) -> str:
-    """`6.1 ms`, `240 ms`, `2.4 s`, `3.5 min`, `2.1 h`."""
+def duration(seconds: float, sep: str = " ") -> str:
+    """`6.1 ms`, `240 ms`, `2.4 s`, `3.5 min`, `2.1 h` (`sep=""`: `2.4s`, for key=value
+    lines)."""
     seconds = max(0.0, seconds)
     if seconds < 0.01:
-        return f"{seconds * 1000:.1f} ms"
+        return f"{seconds * 1000:.1f}{sep}ms"
     if seconds < 0.9995:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def duration_ms(ms: float) -> str:
-    return duration(ms / 1000)
+        return f"{seconds * 1000:.0f}{sep}ms"
+    if seconds < 119.95:
+        return f"{seconds:.1f}{sep}s"
+    if seconds < 7197:
+        return f"{seconds / 60:.1f}{sep}min"
+    return f"{seconds / 3600:.1f}{sep}h"
 
 
 def rate(bytes_per_s: float) -> str:
