@@ -67,16 +67,23 @@ def test_kvproxy_stats_at_big_state_sizes() -> None:
     assert "1 prefilled instead" in shown
 
 
-def test_kvproxy_ls_at_big_state_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    store = Store(tmp_path, ttl=3600, max_bytes=0)
+def big_entry(root: Path, size: int = 1288490188, tokens: int = 8377) -> str:
+    """Commit an entry of `size` bytes (an 8B model's 8k tokens) as a save does, its state
+    file sparse: on paper only. Its key."""
+    store = Store(root, ttl=3600, max_bytes=0)
     key = keys.chain(keys.namespace("m", {}, None), [{"role": "user", "content": "x"}])[-1]
     temp = store.temp_name(key)
-    with open(tmp_path / temp, "wb") as f:  # sparse: 1.2 GiB on paper, nothing written
+    with open(root / temp, "wb") as f:
         f.write(STATE_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little"))
-        f.truncate(1288490188)
+        f.truncate(size)
     now = time.time()
-    store.commit(Entry(key, "ns", 8377, 0, 1, now, now, chain=[key]), temp)
+    store.commit(Entry(key, "ns", tokens, 0, 1, now, now, chain=[key]), temp)
     store.close()
+    return key
+
+
+def test_kvproxy_ls_at_big_state_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key = big_entry(tmp_path)
     assert main(["ls", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith(key[:12]))

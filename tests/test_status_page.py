@@ -7,23 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from kvproxy import keys
 from kvproxy.cache.events import MissExplanation, RequestEvent
 from kvproxy.cache.policy import Decision
 from kvproxy.obs.recent import RECENT_REQUESTS, Recent
-from kvproxy.store import STATE_MAGIC, Entry, Store
 
 from .browser import dump_dom, screenshot
 from .conftest import Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
 from .test_cache import chat, conv, settle, then
+from .test_readable import big_entry
 
 
 async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, Any]:
@@ -275,15 +273,7 @@ async def test_the_page_reads_big_states_and_short_times(tmp_path: Path) -> None
     says GiB; a request of a few milliseconds keeps its tenths, as the log says it."""
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
-    store = Store(cache, ttl=3600, max_bytes=0)
-    key = keys.chain(keys.namespace("m", {}, None), [{"role": "user", "content": "x"}])[-1]
-    temp = store.temp_name(key)
-    with open(cache / temp, "wb") as f:  # sparse: 1.2 GiB on paper
-        f.write(STATE_MAGIC.to_bytes(4, "little") + (4).to_bytes(4, "little"))
-        f.truncate(1288490188)
-    now = time.time()
-    store.commit(Entry(key, "ns", 8377, 0, 1, now, now, chain=[key]), temp)
-    store.close()
+    await asyncio.to_thread(big_entry, cache)
     fake = FakeLlamaServer(slot_save_path=cache)
     await fake.start()
     proxy = await start_proxy(fake.url, cache, max_disk=50 * 1024**3)
