@@ -1,4 +1,4 @@
-"""Sizes and times as people read them at any scale (kvproxy/obs/readable.py), and the
+"""Sizes and times as people read them at any scale (kvproxy/readable.py), and the
 outputs that name them: `kvproxy stats`, `kvproxy ls`, the shutdown's and the request log's
 lines (test_requestlog.py)."""
 
@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy import keys
+from kvproxy import keys, readable
 from kvproxy.cli import main
 from kvproxy.cli.stats import render_stats
-from kvproxy.obs import readable
 from kvproxy.store import STATE_MAGIC, Entry, Store
 
 GiB = 1 << 30

@@ -16,7 +16,7 @@ _SAVE = re.compile(
     r"(?P<canonical>[\d.]+) ms\)"
 )
 _REQUEST = re.compile(r"kvproxy\.request: (?P<route>\S+) (?P<key>[0-9a-f]{6,}) (?P<decision>\w+)")
-# A duration as the request line writes it (kvproxy/obs/readable.py, no space): 6.1ms, 2.4s.
+# A duration as the request line writes it (kvproxy/readable.py, no space): 6.1ms, 2.4s.
 _T = r"(?P<v>[\d.]+)(?P<u>ms|min|s|h)\b"
 _UNIT_S = {"ms": 0.001, "s": 1.0, "min": 60.0, "h": 3600.0}
 _RESTORED = re.compile(r"restored=(?P<tokens>\d+)tok/" + _T)

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 
+from kvproxy import readable
 from kvproxy.cache.events import Count
 from kvproxy.cache.leases import Background
 from kvproxy.cache.savegate import SaveGate
@@ -29,7 +30,6 @@ from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.toolloops import Awaited, ToolLoops
 from kvproxy.http.session import UpstreamError
-from kvproxy.obs import readable
 from kvproxy.store import Entry
 
 log = logging.getLogger("kvproxy.cache")

@@ -18,11 +18,11 @@ from typing import Any
 import orjson
 from pydantic import ByteSize, TypeAdapter
 
+from kvproxy import readable
 from kvproxy.cli.display import Progress, entries_, human_age, table
 from kvproxy.cli.flags import add_settings_flags, settings_from_args
 from kvproxy.cli.stats import cmd_stats
 from kvproxy.config import Settings, parse_duration
-from kvproxy.obs import readable
 from kvproxy.store import SORTS, Entry, Listing, Store
 
 MIN_PREFIX = 6

@@ -10,10 +10,10 @@ from typing import Any
 
 import orjson
 
+from kvproxy import readable
 from kvproxy.cli.display import entries_
 from kvproxy.cli.flags import settings_from_args
 from kvproxy.config import Settings
-from kvproxy.obs import readable
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

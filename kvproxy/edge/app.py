@@ -14,6 +14,7 @@ from urllib.parse import quote
 import orjson
 from aiohttp import web
 
+from kvproxy import readable
 from kvproxy.cache.events import Events
 from kvproxy.cache.policy import Decision as CacheDecision
 from kvproxy.config import Settings
@@ -27,7 +28,6 @@ from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.relay import relay
 from kvproxy.http.session import Upstream
 from kvproxy.lanes.cache import ConversationCache
-from kvproxy.obs import readable
 from kvproxy.obs.metrics import CONTENT_TYPE, Metrics
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import RequestLog

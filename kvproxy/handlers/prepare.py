@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from kvproxy import readable
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.events import Count
 from kvproxy.cache.habits.learning import HabitLearning
@@ -31,7 +32,6 @@ from kvproxy.cache.stems import Stems
 from kvproxy.handlers.plan import Facts, Plan, decide
 from kvproxy.handlers.prepared import MISS, Prepared, next_turn_of
 from kvproxy.http.session import UpstreamError
-from kvproxy.obs import readable
 from kvproxy.wire import Conversation
 
 log = logging.getLogger("kvproxy.cache")

@@ -13,11 +13,11 @@ import asyncio
 import logging
 import time
 
+from kvproxy import readable
 from kvproxy.cache.shutdownplan import Candidate, plan_shutdown
 from kvproxy.cache.slots import Slot
 from kvproxy.lanes.lane import Lane
 from kvproxy.lanes.stats import unsaved
-from kvproxy.obs import readable
 
 log = logging.getLogger("kvproxy.cache")
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import orjson
 
+from kvproxy import readable
 from kvproxy.cache.events import Count, MissExplanation, RequestEvent, SlotActionEvent
 from kvproxy.cache.explain import describe
-from kvproxy.obs import readable
 
 log = logging.getLogger("kvproxy.request")
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from kvproxy import readable
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
-from kvproxy.obs import readable
 from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
 from kvproxy.server.findlocal import NOT_FOUND, local_server
 from kvproxy.server.leftover import managed_urls

@@ -34,7 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from kvproxy.obs import readable
+from kvproxy import readable
 from kvproxy.store.db import IndexDB, IndexUnwritable
 from kvproxy.store.entry import Entry
 from kvproxy.store.files import Steps, StoreFiles
