@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import posixpath
 import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
     AnyHttpUrl,
-    BeforeValidator,
     ByteSize,
     Field,
     SecretStr,
@@ -25,20 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
-_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(value: object) -> object:
-    """Accept `90`, `90s`, `15m`, `12h`, `3d`; anything else is left for pydantic to reject."""
-    if isinstance(value, str):
-        match = _DURATION.match(value)
-        if match:
-            return float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "s").lower()]
-    return value
-
-
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
+from kvproxy.settingvalues import Duration, comma_list, route_patterns, server_addresses
 
 
 def default_cache_dir() -> Path:
@@ -272,48 +257,22 @@ class Settings(BaseSettings):
     @field_validator("client_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [k.strip() for k in value.split(",") if k.strip()]
-        return value
+        return comma_list(value)
 
     @field_validator("upstream", mode="before")
     @classmethod
     def _split_upstreams(cls, value: object) -> object:
-        if value is None:
-            return []
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list):
-            return value
-        urls = [u.strip() for item in items for u in str(item).split(",") if u.strip()]
-        # The server's address, not its OpenAI base URL: kvproxy adds /v1 itself.
-        return [re.sub(r"/v1/*$", "", u.rstrip("/")) for u in urls]
+        return server_addresses(value)
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _split_hosts(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [h.strip().lower() for h in value.split(",") if h.strip()]
-        return value
+        return comma_list(value, lower=True)
 
     @field_validator("allow_route", mode="before")
     @classmethod
     def _split_routes(cls, value: object) -> object:
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list):
-            return value
-        routes: list[str] = []
-        for item in items:
-            for part in str(item).split(","):
-                part = part.strip()
-                if not part:
-                    continue
-                if not part.startswith("/"):
-                    raise ValueError(f"{part!r} is not a path (it must start with /)")
-                under = part.endswith("/*")
-                norm = posixpath.normpath(part.removesuffix("/*") or "/")
-                norm = "/" + norm.lstrip("/")
-                routes.append(norm.rstrip("/") + "/*" if under else norm)
-        return routes
+        return route_patterns(value)
 
     @property
     def hosts(self) -> list[str]:

@@ -188,6 +188,25 @@ def run_server_command(cmd: list[str], port: int, log_path: Path) -> ManagedServ
     return managed
 
 
+@contextlib.contextmanager
+def module_server(
+    factory: pytest.TempPathFactory,
+    name: str,
+    model: Callable[[Path], Path] | None = None,
+    **options: Any,
+) -> Iterator[RealServer]:
+    """A real server of a test module's own, in a fresh dir (`model` writes its model there),
+    stopped when the module ends."""
+    root = factory.mktemp(name)
+    cache = root / "cache"
+    cache.mkdir(mode=0o700)
+    server = start_real_server(cache, model(root) if model else None, **options)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def start_real_server(
     cache_dir: Path,
     model: Path | None = None,

@@ -75,7 +75,8 @@ async def test_without_trimming_the_reply_is_reused_too(make: Maker) -> None:
 
 
 async def test_re_serialised_tool_call_is_reused(make: Maker) -> None:
-    fake, proxy = await make(server={"reuse": "extend"})
+    # A tool loop would keep its slot against the newcomers; here it must leave to disk.
+    fake, proxy = await make(server={"reuse": "extend"}, tool_result_within=0)
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
     first = [*conv(1)[:1], {"role": "user", "content": "please CALL_TOOL now"}]
     _, r1, _ = await chat(proxy, first, tools=tools)

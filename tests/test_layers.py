@@ -2,7 +2,7 @@
 TYPE_CHECKING too):
 
     cli → edge → obs → lanes → handlers → cache → server → store, http → wire → keys, config,
-    readable
+    readable → settingvalues
 
 A module imports kvproxy modules of its own layer or of a lower one, never of a higher one:
 requests go down one layer per hop, and nothing imports `cli/`. `wire/`, `keys` and the pure
@@ -38,11 +38,13 @@ RANK = {
     "keys": -1,
     "config": -1,
     "readable": -1,
+    "settingvalues": -2,
     "__main__": 9,
 }
 PURE = (
     "kvproxy.wire",
     "kvproxy.keys",
+    "kvproxy.settingvalues",
     "kvproxy.cache.policy",
     "kvproxy.cache.pressure",
     "kvproxy.cache.moments",

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from kvproxy_bench.dialogues import first_turn, next_turn
 
-from .conftest import RealServer, start_real_server
+from .conftest import RealServer, module_server
 from .ggufmodels import KV_BYTES_PER_TOKEN_F16, big_model_file
 
 pytestmark = pytest.mark.real
@@ -20,15 +20,11 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def big_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    root = tmp_path_factory.mktemp("big-model")
-    cache = root / "cache"
-    cache.mkdir(mode=0o700)
-    model = big_model_file(root)
-    server = start_real_server(cache, model, slots=2, ctx_per_slot=1024, extra=("--cache-ram", "0"))
-    try:
+    extra = ("--cache-ram", "0")
+    with module_server(
+        tmp_path_factory, "big-model", big_model_file, slots=2, ctx_per_slot=1024, extra=extra
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

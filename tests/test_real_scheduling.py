@@ -27,7 +27,7 @@ from kvproxy_bench.toolcalls import TOOL_REQUEST, agent, with_result, write_temp
 from kvproxy.server.managed import free_port
 from kvproxy.store import Store
 
-from .conftest import RealServer, bundled_model, start_proxy, start_real_server
+from .conftest import RealServer, bundled_model, module_server, start_proxy, start_real_server
 from .ggufmodels import KV_BYTES_PER_TOKEN_F16, big_model_file
 from .test_managed import wait_ready
 
@@ -36,15 +36,11 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def big_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    root = tmp_path_factory.mktemp("scheduling-big")
-    cache = root / "cache"
-    cache.mkdir(mode=0o700)
-    model = big_model_file(root)
-    server = start_real_server(cache, model, slots=2, ctx_per_slot=2048, extra=("--cache-ram", "0"))
-    try:
+    extra = ("--cache-ram", "0")
+    with module_server(
+        tmp_path_factory, "scheduling-big", big_model_file, slots=2, ctx_per_slot=2048, extra=extra
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

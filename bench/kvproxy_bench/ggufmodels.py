@@ -130,12 +130,9 @@ def _write(
     n_ctx_train: int = N_CTX_TRAIN,
     file_type: gguf.LlamaFileType = gguf.LlamaFileType.ALL_F32,
 ) -> Path:
-    """Write atomically: a half-written model must never be mistaken for a cached one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(tmp, arch)
-    try:
+    """A model: its metadata and tokenizer, then `fill`'s keys and tensors."""
+
+    def model(w: gguf.GGUFWriter) -> None:
         w.add_name(name or f"kvproxy-test-{arch}")
         w.add_vocab_size(N_VOCAB)
         w.add_context_length(n_ctx_train)
@@ -144,13 +141,8 @@ def _write(
         w.add_file_type(file_type)
         _add_tokenizer(w)
         fill(w)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    finally:
-        w.close()
-    os.replace(tmp, path)
-    return path
+
+    return _write_plain(Path(path), arch, model)
 
 
 def _ffn(t: _Weights, i: int, n_ff: int, n_embd: int = N_EMBD) -> None:
@@ -362,7 +354,8 @@ def write_lora(path: Path, seed: int = 11, rank: int = 4, n_layer: int = 2) -> P
 
 
 def _write_plain(path: Path, arch: str, fill: Callable[[gguf.GGUFWriter], None]) -> Path:
-    """Write a GGUF of `fill`'s keys and tensors only (no model metadata), atomically."""
+    """Write a GGUF of `fill`'s keys and tensors, atomically: a half-written model must never
+    be mistaken for a cached one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     w = gguf.GGUFWriter(tmp, arch)

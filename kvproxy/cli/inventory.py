@@ -22,7 +22,8 @@ from kvproxy import readable
 from kvproxy.cli.display import Progress, entries_, human_age, table
 from kvproxy.cli.flags import add_settings_flags, settings_from_args
 from kvproxy.cli.stats import cmd_stats
-from kvproxy.config import Settings, parse_duration
+from kvproxy.config import Settings
+from kvproxy.settingvalues import parse_duration
 from kvproxy.store import SORTS, Entry, Listing, Store
 
 MIN_PREFIX = 6
