@@ -35,8 +35,8 @@ PATH_SAVE = (
     "bytes in 1800.0 ms (canonical prefix before: 0.4 ms)"
 )
 REQUEST_LINE = (
-    "03:40:07 I kvproxy.request: chat 3fa9c1e2b7d0 restored slot=0 restored=8190tok/198.2ms "
-    "cache_n=8190 prompt_n=21 saved≈170.0s wait=2.31s status=200 2.60s"
+    "03:40:07 I kvproxy.request: chat 3fa9c1e2b7d0 restored slot=0 restored=8190tok/198ms "
+    "cache_n=8190 prompt_n=21 saved≈2.8min wait=2.3s status=200 2.6s"
 )
 LOST_LINE = "03:41:00 W kvproxy.cache.wiring: not saved by the shutdown deadline, lost: slot 1 (ab)"
 
@@ -48,7 +48,8 @@ def test_kvproxys_log_says_what_a_request_waited_for() -> None:
         (0, False, 524288000, 1800.0),
     ]
     (request,) = span.requests
-    assert (request.decision, request.restored_ms, request.wait_s) == ("restored", 198.2, 2.31)
+    assert (request.decision, request.restored_ms, request.wait_s) == ("restored", 198.0, 2.3)
+    assert request.seconds == 2.6
     assert span.lost == ["slot 1 (ab)"]
     said = big_log.describe(span)
     assert said[0] == (

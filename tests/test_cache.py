@@ -181,6 +181,33 @@ async def test_a_state_damaged_on_disk_is_never_restored(make: Maker) -> None:
     assert not kv.exists() and entry.key not in proxy.cache.store.entries
 
 
+async def test_a_state_checked_once_then_damaged_is_never_restored(make: Maker) -> None:
+    """A file that passed its check is not hashed again while unchanged; a write to it after
+    that check is still caught at its next restore, before any request is served from it."""
+    fake, proxy = await make(live_window=0)
+    r = {c: (await chat(proxy, conv(c)))[1] for c in (1, 2, 3)}
+    await settle(proxy)
+    [entry] = proxy.cache.store.entries.values()
+    _, _, h = await chat(proxy, then(conv(1), r[1]))
+    assert h["X-KVProxy-Cache"] == "restored"  # checked, and remembered as checked
+    for c in (2, 3):
+        await chat(proxy, then(conv(c), r[c]))
+    await settle(proxy)
+    assert entry.key in proxy.cache.store.entries
+    kv = proxy.cache.store.root / f"{entry.key}.kv"
+    data = bytearray(kv.read_bytes())
+    data[-20:] = bytes(20)
+    kv.write_bytes(bytes(data))
+    # The same state again (a branch of the first turn's reply): restored, checked, erased.
+    status, body, h = await chat(proxy, then(conv(1), r[1], "another question"))
+    assert status == 200
+    assert body["choices"][0]["message"]["content"] == "Echo: another question"
+    # Its restore was erased before the request went (another entry may serve it then).
+    restores = [n for n, a in enumerate(fake.actions) if a[0] == "restore" and a[2] == kv.name]
+    assert len(restores) == 2 and fake.actions[restores[1] + 1][0] == "erase"
+    assert not kv.exists() and entry.key not in proxy.cache.store.entries
+
+
 async def test_failed_restore_drops_entry_and_answers_uncached(make: Maker) -> None:
     """A state the checksum passes but the server refuses (damaged before it was committed):
     the failed restore erased the slot, the request goes through uncached, the entry goes."""

@@ -13,7 +13,8 @@ import pytest
 
 from kvproxy import keys
 from kvproxy.cli import main
-from kvproxy.cli.display import human_age, human_bytes
+from kvproxy.cli.display import human_age
+from kvproxy.readable import size as human_bytes
 from kvproxy.server.managed import free_port
 from kvproxy.store import Entry, Store
 

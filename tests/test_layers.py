@@ -1,8 +1,8 @@
 """The layer rule, checked on every import statement of the package (lazy ones and those under
 TYPE_CHECKING too):
 
-    cli → edge → obs → lanes → handlers → cache → server → store, http → wire → keys, config
-    → settingvalues
+    cli → edge → obs → lanes → handlers → cache → server → store, http → wire → keys, config,
+    readable → settingvalues
 
 A module imports kvproxy modules of its own layer or of a lower one, never of a higher one:
 requests go down one layer per hop, and nothing imports `cli/`. `wire/`, `keys` and the pure
@@ -37,6 +37,7 @@ RANK = {
     "wire": 0,
     "keys": -1,
     "config": -1,
+    "readable": -1,
     "settingvalues": -2,
     "__main__": 9,
 }
@@ -50,6 +51,8 @@ PURE = (
     "kvproxy.cache.shutdownplan",
     "kvproxy.cache.toolloops",
     "kvproxy.cache.prefillrate",
+    "kvproxy.cache.payoff",
+    "kvproxy.readable",
     "kvproxy.cache.slotchoice",
     "kvproxy.cache.bounds",
     "kvproxy.handlers.plan",

@@ -42,14 +42,36 @@ def test_plain_line() -> None:
     )
     assert format_request(event) == (
         "chat 3fa9c1e2b7d0 restored slot=1 restored=1432tok/6.1ms cache_n=1432 prompt_n=31 "
-        "saved≈4.2s status=200 1.83s"
+        "saved≈4.2s status=200 1.8s"
     )
     event.prefill_saved_s = None  # no cold prefill seen yet: no guess
     assert "saved" not in format_request(event)
     bypass = RequestEvent("/v1/messages", Decision.BYPASS, 502, duration_s=0.05)
-    assert format_request(bypass) == "/v1/messages bypass status=502 0.05s"
+    assert format_request(bypass) == "/v1/messages bypass status=502 50ms"
     waited = RequestEvent("/chat/completions", Decision.MISS, 200, KEY, 0, queue_wait_s=0.5)
-    assert format_request(waited) == "chat 3fa9c1e2b7d0 miss slot=0 wait=0.50s status=200 0.00s"
+    assert format_request(waited) == "chat 3fa9c1e2b7d0 miss slot=0 wait=500ms status=200 0.0ms"
+
+
+def test_plain_line_at_big_state_sizes() -> None:
+    """An 8B model's 8k-token conversation: seconds and minutes, not thousands of ms."""
+    event = RequestEvent(
+        "/v1/chat/completions",
+        Decision.RESTORED,
+        200,
+        KEY,
+        0,
+        duration_s=192.4,
+        queue_wait_s=34.2,
+        restored_tokens=8377,
+        restore_ms=2431.7,
+        cache_n=8377,
+        prompt_n=12,
+        prefill_saved_s=1234.5,
+    )
+    assert format_request(event) == (
+        "chat 3fa9c1e2b7d0 restored slot=0 restored=8377tok/2.4s cache_n=8377 prompt_n=12 "
+        "saved≈20.6min wait=34.2s status=200 3.2min"
+    )
 
 
 def test_json_formatter_carries_the_fields() -> None:

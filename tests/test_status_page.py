@@ -19,7 +19,9 @@ from kvproxy.obs.recent import RECENT_REQUESTS, Recent
 
 from .browser import dump_dom, screenshot
 from .conftest import Maker, RunningProxy, start_proxy
+from .fakeserver import FakeLlamaServer
 from .test_cache import chat, conv, settle, then
+from .test_readable import big_entry
 
 
 async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, Any]:
@@ -264,3 +266,23 @@ async def test_the_page_names_the_server_its_model_and_why_a_slot_is_not_saved(
     [backend] = proxy.stats()["backends"]
     assert backend["model"] and f"llama-server {backend['name']} ({backend['model']})" in text
     assert "sidecar · --min-tokens 256 · --idle-save-after" in text, text
+
+
+async def test_the_page_reads_big_states_and_short_times(tmp_path: Path) -> None:
+    """A cache dir holding an 8B model's 8k-token state under `--max-disk 50GiB`: the page
+    says GiB; a request of a few milliseconds keeps its tenths, as the log says it."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    await asyncio.to_thread(big_entry, cache)
+    fake = FakeLlamaServer(slot_save_path=cache)
+    await fake.start()
+    proxy = await start_proxy(fake.url, cache, max_disk=50 * 1024**3)
+    try:
+        await chat(proxy, conv(1))
+        dom, _ = await dump_settled(proxy)
+        text = visible_text(dom)
+        assert "1.2 GiB in 1 entries of 50.0 GiB (--max-disk)" in text
+        assert re.search(r"\b\d\.\d ms\b", text), "a request under 10 ms, in tenths"
+    finally:
+        await proxy.stop()
+        await fake.stop()

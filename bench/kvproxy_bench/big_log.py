@@ -16,10 +16,13 @@ _SAVE = re.compile(
     r"(?P<canonical>[\d.]+) ms\)"
 )
 _REQUEST = re.compile(r"kvproxy\.request: (?P<route>\S+) (?P<key>[0-9a-f]{6,}) (?P<decision>\w+)")
-_RESTORED = re.compile(r"restored=(?P<tokens>\d+)tok/(?P<ms>[\d.]+)ms")
-_WAIT = re.compile(r" wait=(?P<s>[\d.]+)s")
+# A duration as the request line writes it (kvproxy/readable.py, no space): 6.1ms, 2.4s.
+_T = r"(?P<v>[\d.]+)(?P<u>ms|min|s|h)\b"
+_UNIT_S = {"ms": 0.001, "s": 1.0, "min": 60.0, "h": 3600.0}
+_RESTORED = re.compile(r"restored=(?P<tokens>\d+)tok/" + _T)
+_WAIT = re.compile(r" wait=" + _T)
 _EVALUATED = re.compile(r" evaluated=(?P<n>\d+)")
-_DURATION = re.compile(r"status=(?P<status>\d+) (?P<s>[\d.]+)s")
+_DURATION = re.compile(r"status=(?P<status>\d+) " + _T)
 _LOST = re.compile(r"lost: (?P<what>.+)$")
 
 
@@ -94,15 +97,19 @@ def parse(text: str) -> LogSpan:
                 LoggedRequest(
                     m["key"],
                     m["decision"],
-                    float(restored["ms"]) if restored else None,
-                    float(wait["s"]) if wait else 0.0,
+                    _seconds(restored) * 1000 if restored else None,
+                    _seconds(wait) if wait else 0.0,
                     int(evaluated["n"]) if evaluated else 0,
-                    float(duration["s"]) if duration else None,
+                    _seconds(duration) if duration else None,
                 )
             )
         elif "not saved" in line and (m := _LOST.search(line)):
             span.lost.append(m["what"].strip())
     return span
+
+
+def _seconds(m: re.Match[str]) -> float:
+    return float(m["v"]) * _UNIT_S[m["u"]]
 
 
 def gib(n: float) -> str:

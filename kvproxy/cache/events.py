@@ -27,6 +27,8 @@ class Count(StrEnum):
     SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
     WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
     PREFETCH = "prefetch"  # a conversation waiting for a tool's result restored ahead of it
+    # A stored state not restored: prefilling what it gives back was measured cheaper (payoff.py)
+    PREFILL_OVER_RESTORE = "prefill_over_restore"
 
 
 @dataclass

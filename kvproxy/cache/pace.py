@@ -1,6 +1,6 @@
 """How fast a server writes slot states and generates tokens, measured from its own saves,
 restores and replies: what a save will cost (moments.py: whether it is a big one; the
-shutdown: what fits in its deadline).
+shutdown: what fits in its deadline) and a restore (payoff.py: whether it pays).
 
 A save's time is its state's bytes over the write speed of this server's recent saves (the
 state's bytes over the seconds its save took: from the save request to its commit, or, for
@@ -8,6 +8,8 @@ the saves kvproxy times whole, from the slot's check through its canonical prefi
 commit); before any, an assumed 150 MB/s, as MLX servers assume on an unknown filesystem. A
 state's bytes are its tokens times the bytes a token took in the server's last save or
 restore, else the model's own KV geometry at f16 (server/modelinfo.py), else not known. The
+read speed is the bytes of the server's recent restores of 16 MiB or more over the time
+kvproxy waited for them (smaller ones measure mostly latency); before any, not known. The
 token gap is the median time a generated token took in the server's recent replies of 16
 tokens or more (`timings.predicted_ms / predicted_n`).
 """
@@ -32,6 +34,8 @@ MIN_MEASURED_BYTES = 1
 # Replies that generated fewer tokens tell little of the gap between them (the first token
 # after a prefill can take several times as long as the next ones).
 MIN_GAP_TOKENS = 16
+# Restores that read less measure the round trip more than the disk (payoff.py).
+MIN_READ_BYTES = 16 << 20
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Pace:
     _per_token: float = 0.0
     _gaps: deque[float] = field(default_factory=lambda: deque(maxlen=2 * WINDOW))
     _saves: int = 0  # saves seen: a timed save measures its whole length when one came
+    _reads: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
@@ -66,6 +71,8 @@ class Pace:
         if event.action == "save" and event.bytes >= MIN_MEASURED_BYTES and event.seconds > 0:
             self._writes.append((event.bytes, event.seconds))
             self._saves += 1
+        if event.action == "restore" and event.bytes >= MIN_READ_BYTES and event.seconds > 0:
+            self._reads.append((event.bytes, event.seconds))
 
     def sized(self, n_bytes: int, n_tokens: int) -> None:
         """A state's size seen without a save that counts (one written, then not kept)."""
@@ -87,6 +94,14 @@ class Pace:
         if not self._writes:
             return ASSUMED_WRITE_BYTES_PER_S
         return sum(b for b, _ in self._writes) / sum(s for _, s in self._writes)
+
+    @property
+    def read_bytes_per_s(self) -> float | None:
+        """What this server's restores read a second, as a request waits for them; None
+        before a restore of 16 MiB or more."""
+        if not self._reads:
+            return None
+        return sum(b for b, _ in self._reads) / sum(s for _, s in self._reads)
 
     @property
     def bytes_per_token(self) -> float:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 
+from kvproxy import readable
 from kvproxy.cache.events import Count
 from kvproxy.cache.leases import Background
 from kvproxy.cache.savegate import SaveGate
@@ -154,11 +155,11 @@ class Prefetcher:
             return
         self.work.events.count(Count.PREFETCH)
         log.info(
-            "prefetched %s into slot %d: %d tokens in %.0f ms (a tool's result is due)",
+            "prefetched %s into slot %d: %d tokens in %s (a tool's result is due)",
             awaited.key[:12],
             slot.id,
             outcome.n_restored,
-            outcome.ms,
+            readable.duration(outcome.ms / 1000),
         )
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import orjson
 from pydantic import ByteSize, TypeAdapter
 
-from kvproxy.cli.display import Progress, entries_, human_age, human_bytes, table
+from kvproxy import readable
+from kvproxy.cli.display import Progress, entries_, human_age, table
 from kvproxy.cli.flags import add_settings_flags, settings_from_args
 from kvproxy.cli.stats import cmd_stats
 from kvproxy.config import Settings
@@ -131,7 +132,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         [
             e.key[:12],
             f"{e.n_tokens:,}",
-            human_bytes(e.on_disk),
+            readable.size(e.on_disk),
             human_age(now - e.created),
             human_age(now - e.last_used) + " ago",
             str(e.hits),
@@ -145,8 +146,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         table(columns, rows, {1, 2, 5, 6})
     more = f" (showing {len(shown)})" if len(shown) < selected.entries else ""
     print(
-        f"{entries_(selected.entries)}{more}, {human_bytes(selected.bytes)} in "
-        f"{settings.cache_dir} (all: {store.summary.entries}, {human_bytes(store.total_bytes)}; "
+        f"{entries_(selected.entries)}{more}, {readable.size(selected.bytes)} in "
+        f"{settings.cache_dir} (all: {store.summary.entries}, {readable.size(store.total_bytes)}; "
         f"budget {_budget(settings)}, ttl {human_age(settings.ttl) if settings.ttl else 'none'})"
     )
     return 0
@@ -201,14 +202,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 if len(victims) <= 20:
                     print(
                         f"removed {entry.key[:12]} ({entry.n_tokens:,} tokens, "
-                        f"{human_bytes(entry.on_disk)})"
+                        f"{readable.size(entry.on_disk)})"
                     )
                 progress.step()
     for key in damaged:
         store.remove_damaged(key)
     freed = sum(e.on_disk for e in victims)
     extra = f" and {len(damaged)} damaged" if damaged else ""
-    print(f"removed {entries_(len(victims))}{extra}, {human_bytes(freed)} freed")
+    print(f"removed {entries_(len(victims))}{extra}, {readable.size(freed)} freed")
     return 0
 
 
@@ -243,14 +244,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.dry_run:
         for entry in victims[:20]:
             print(
-                f"would evict {entry.key[:12]} ({human_bytes(entry.on_disk)}, "
+                f"would evict {entry.key[:12]} ({readable.size(entry.on_disk)}, "
                 f"last used {human_age(now - entry.last_used)} ago)"
             )
         if len(victims) > 20:
             print(f"… and {len(victims) - 20} more")
         print(
             f"would evict {len(victims)} of {before_n} entries ({why}), "
-            f"freeing {human_bytes(freed)} of {human_bytes(before_bytes)}"
+            f"freeing {readable.size(freed)} of {readable.size(before_bytes)}"
         )
         return 0
     with Progress("evicting", len(victims)) as progress:
@@ -258,8 +259,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             store.delete_files([entry])
             progress.step()
     print(
-        f"evicted {len(victims)} of {before_n} entries ({why}), freed {human_bytes(freed)}; "
-        f"{entries_(store.summary.entries)}, {human_bytes(store.total_bytes)} left "
+        f"evicted {len(victims)} of {before_n} entries ({why}), freed {readable.size(freed)}; "
+        f"{entries_(store.summary.entries)}, {readable.size(store.total_bytes)} left "
         f"(budget {_budget(settings)})"
     )
     return 0
@@ -310,7 +311,7 @@ def _size(value: str | None, flag: str) -> int:
 
 
 def _budget(settings: Settings) -> str:
-    return human_bytes(int(settings.max_disk)) if int(settings.max_disk) else "none"
+    return readable.size(int(settings.max_disk)) if int(settings.max_disk) else "none"
 
 
 def _fail(message: str, code: int = 1) -> int:

@@ -10,7 +10,8 @@ from typing import Any
 
 import orjson
 
-from kvproxy.cli.display import entries_, human_bytes
+from kvproxy import readable
+from kvproxy.cli.display import entries_
 from kvproxy.cli.flags import settings_from_args
 from kvproxy.config import Settings
 
@@ -62,7 +63,7 @@ def render_stats(s: dict[str, Any], url: str) -> str:
 
     def ms(name: str, q: str = "p50") -> str:
         value = (hist.get(name) or {}).get(q)
-        return "-" if value is None else f"{value * 1000:.0f} ms"
+        return "-" if value is None else readable.duration(value)
 
     def on(flag: Any) -> str:
         return "on" if flag else "OFF"
@@ -77,19 +78,20 @@ def render_stats(s: dict[str, Any], url: str) -> str:
         [
             "prefill time",
             f"saved ≈ {_seconds(s.get('prefill_seconds_saved'))}, "
-            f"spent {s.get('prefill_seconds', 0):.1f} s",
+            f"spent {readable.duration(s.get('prefill_seconds', 0))}",
         ],
         [
             "saves",
             f"{s.get('saves', 0):,} ok ({s.get('background_saves', 0):,} in the background), "
             f"{s.get('save_failures', 0):,} failed, "
-            f"{human_bytes(int(s.get('saved_bytes', 0)))}, p50 {ms('save_seconds')}",
+            f"{readable.size(int(s.get('saved_bytes', 0)))}, p50 {ms('save_seconds')}",
         ],
         [
             "restores",
             f"{s.get('restores', 0):,} ok, {s.get('restore_failures', 0):,} failed, "
             f"{s.get('restored_tokens', 0):,} tokens, p50 {ms('restore_seconds')}, "
-            f"{s.get('ineffective_restores', 0):,} not reused by the server",
+            f"{s.get('ineffective_restores', 0):,} not reused by the server, "
+            f"{s.get('prefills_over_restores', 0):,} prefilled instead (cheaper than the read)",
         ],
         [
             "queue",
@@ -98,7 +100,7 @@ def render_stats(s: dict[str, Any], url: str) -> str:
         ],
         [
             "disk",
-            f"{entries_(s.get('entries', 0))}, {human_bytes(int(s.get('disk_bytes', 0)))}, "
+            f"{entries_(s.get('entries', 0))}, {readable.size(int(s.get('disk_bytes', 0)))}, "
             f"{s.get('evictions', 0):,} evicted",
         ],
         [
@@ -136,4 +138,4 @@ def _fail(message: str, code: int = 1) -> int:
 
 def _seconds(value: Any) -> str:
     """A number of seconds, or "—" when there is none yet (no cold prefill measured)."""
-    return "—" if value is None else f"{value:.1f} s"
+    return "—" if value is None else readable.duration(value)

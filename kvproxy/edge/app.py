@@ -14,6 +14,7 @@ from urllib.parse import quote
 import orjson
 from aiohttp import web
 
+from kvproxy import readable
 from kvproxy.cache.events import Events
 from kvproxy.cache.policy import Decision as CacheDecision
 from kvproxy.config import Settings
@@ -216,7 +217,7 @@ def _bodies_full(settings: Settings) -> web.Response:
     response = error_response(
         503,
         "kvproxy holds as many request bytes as it may "
-        f"(--max-body-memory {settings.max_body_memory.human_readable()}); try again.",
+        f"(--max-body-memory {readable.size(settings.max_body_memory)}); try again.",
         "body_memory_full",
     )
     response.headers["Retry-After"] = "1"
@@ -346,7 +347,7 @@ def _path_qs(path: str, request: web.Request) -> str:
 def _too_large(settings: Settings) -> web.Response:
     return error_response(
         413,
-        f"Request body is larger than the proxy's limit of {settings.max_body.human_readable()} "
+        f"Request body is larger than the proxy's limit of {readable.size(settings.max_body)} "
         "(raise it with --max-body).",
         "request_too_large",
     )

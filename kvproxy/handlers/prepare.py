@@ -3,7 +3,8 @@ the plan decided (plan.py, on plain data), the plan carried out.
 
 In order: what the slot holds is verified when it is not trusted (at most one GET /slots per
 request before it is forwarded); the store is asked once (`Openings.find`), and the same
-answer shows which boundaries are openings; the plan is decided; the slot is vacated (save,
+answer shows which boundaries are openings; the plan is decided (a restore only when reading
+the state costs less than prefilling what it gives back: payoff.py); the slot is vacated (save,
 opening, admit: the one sequence every plan but "resident" runs); then the state comes back
 (restored from disk) or the request starts cold, passing through a wanted opening first.
 """
@@ -13,11 +14,14 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from kvproxy import readable
 from kvproxy.cache.context import CacheContext
+from kvproxy.cache.events import Count
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.labels import own_state
 from kvproxy.cache.loras import before_restore
 from kvproxy.cache.openings import Openings
+from kvproxy.cache.payoff import RestoreChoice, RestoreCost, choose_restore, tokens_back
 from kvproxy.cache.policy import Decision, Move, expected_resident
 from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
 from kvproxy.cache.savegate import SaveGate
@@ -102,6 +106,9 @@ class Preparer:
             await self.work.verify(slot)
         found = await self._find(slot, conv, observe=not learnt)
         plan = decide(await self._facts(slot, conv, found))
+        if plan.move is Move.RESTORE and not self._pays(slot, conv, found):
+            found = replace(found, best=None, stem=False)
+            plan = decide(await self._facts(slot, conv, found))
         if plan.acts_on_slot and not verified:
             await self.work.verify(slot)  # the slot must be idle, and hold what we think
             verified = True
@@ -112,6 +119,41 @@ class Preparer:
         if plan.move is Move.USE_RESIDENT:
             return self._resident(slot, conv, plan, self.reuse.resident_depth(slot, conv))
         return await self._start_cold(slot, conv, verified)
+
+    def _pays(self, slot: Slot, conv: Conversation, found: Found) -> bool:
+        """Whether reading the entry found costs less than prefilling what it gives back, at
+        this server's measured rates (payoff.py); logged, and counted when it does not."""
+        assert found.best is not None
+        entry, shared = found.best
+        depth = len(entry.chain)
+        per_token_ms = self.ctx.events.rates.ms_per_token(self.backend.name)
+        cost = RestoreCost(
+            entry.state_bytes,
+            # A stem is extended exactly by the request, which shares no whole message of it.
+            tokens_back(
+                entry.n_tokens, depth if found.stem else shared, depth, conv.messages, conv.template
+            ),
+            self.gate.pace.read_bytes_per_s,
+            1000 / per_token_ms if per_token_ms else None,
+        )
+        choice = choose_restore(cost)
+        read_s, prefill_s = cost.read_s, cost.prefill_s
+        line = "slot %d: %s of %s (%s, %d tokens back): read ~%s, prefill ~%s"
+        args = (
+            slot.id,
+            "prefilling instead of a restore" if choice is RestoreChoice.PREFILL else "restore",
+            entry.key[:12],
+            readable.size(entry.state_bytes),
+            cost.tokens_back,
+            readable.duration(read_s) if read_s is not None else "not measured",
+            readable.duration(prefill_s) if prefill_s is not None else "not measured",
+        )
+        if choice is RestoreChoice.PREFILL:
+            log.info(line, *args)
+            self.ctx.events.count(Count.PREFILL_OVER_RESTORE)
+            return False
+        log.debug(line, *args)
+        return True
 
     async def _find(self, slot: Slot, conv: Conversation, observe: bool) -> Found:
         resident = self.reuse.resident_depth(slot, conv)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+from kvproxy import readable
 from kvproxy.cache.shutdownplan import Candidate, plan_shutdown
 from kvproxy.cache.slots import Slot
 from kvproxy.lanes.lane import Lane
@@ -23,18 +24,10 @@ log = logging.getLogger("kvproxy.cache")
 POLL_S = 0.25  # a look at the busy slots at least this often (a freed slot wakes it sooner)
 
 
-def readable(n_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n_bytes < 1024 or unit == "GiB":
-            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
-        n_bytes /= 1024
-    raise AssertionError("unreachable")
-
-
 def rate(lane: Lane) -> str:
     pace = lane.pace
     measured = "measured" if pace.write_measured else "assumed"
-    return f"{pace.write_bytes_per_s / 1e6:.0f} MB/s {measured}"
+    return f"{readable.rate(pace.write_bytes_per_s)} {measured}"
 
 
 class ShutdownSaves:
@@ -73,18 +66,18 @@ class ShutdownSaves:
         plan = plan_shutdown(candidates, left)
         sizes = {c.slot: lane.pace.state_bytes(c.tokens) for c in candidates}
         log.info(
-            "shutdown%s: %d slots to save (%s at %s), %.1f s left: saving %s",
+            "shutdown%s: %d slots to save (%s at %s), %s left: saving %s",
             where,
             len(candidates),
-            readable(sum(v or 0 for v in sizes.values())),
+            readable.size(sum(v or 0 for v in sizes.values())),
             rate(lane),
-            left,
+            readable.duration(left),
             ", ".join(f"slot {i}" for i in plan.save) or "none",
         )
         lost = [
             f"{_named(lane.pool.slots[i], sizes.get(i))}: would take "
-            + (f"~{seconds:.1f} s" if seconds is not None else "an unknown time")
-            + f" at {rate(lane)}, {left:.1f} s left{where}"
+            + (f"~{readable.duration(seconds)}" if seconds is not None else "an unknown time")
+            + f" at {rate(lane)}, {readable.duration(left)} left{where}"
             for i, seconds in plan.skip
         ]
         for i in plan.save:
@@ -97,7 +90,7 @@ class ShutdownSaves:
         remaining = self.deadline - time.monotonic()
         expected = lane.gate.save_seconds(slot)
         if remaining <= 0 or (expected is not None and expected > remaining):
-            return [f"{name}: no time left ({max(remaining, 0):.1f} s){where}"]
+            return [f"{name}: no time left ({readable.duration(remaining)}){where}"]
         try:
             with lane.pace.timing():
                 await asyncio.wait_for(lane.save_slot(slot.id), remaining)
@@ -110,5 +103,5 @@ def _named(slot: Slot, size: int | None) -> str:
     held = slot.holding
     if held is None:
         return f"slot {slot.id}"
-    shown = f", {readable(size)}" if size else ""
+    shown = f", {readable.size(size)}" if size else ""
     return f"slot {slot.id} ({held.key[:12]}, {held.n_tokens:,} tokens{shown})"

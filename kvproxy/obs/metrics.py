@@ -176,6 +176,12 @@ class Metrics:
                 "Saves not attempted: the state (as estimated) is bigger than all of --max-disk.",
                 registry=r,
             ),
+            Count.PREFILL_OVER_RESTORE: Counter(
+                "kvproxy_prefills_over_restores",
+                "Stored states not restored because prefilling what they give back was measured "
+                "cheaper than reading them (this disk's restores against this server's prefills).",
+                registry=r,
+            ),
         }
 
     def watch(self, cache: Gauged) -> None:
@@ -277,6 +283,7 @@ class Metrics:
             "ineffective_restores": int(_total(self.counts[Count.WASTED_RESTORE])),
             "slot_resets_seen": int(_total(self.counts[Count.SLOT_RESET])),
             "prefetches": int(_total(self.counts[Count.PREFETCH])),
+            "prefills_over_restores": int(_total(self.counts[Count.PREFILL_OVER_RESTORE])),
             "histograms": histograms,
         }
 

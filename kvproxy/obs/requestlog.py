@@ -3,7 +3,7 @@
 Plain text (the default):
 
     chat 3fa9c1e2b7d0 restored slot=1 restored=1432tok/6.1ms cache_n=1432 prompt_n=31
-        saved≈4.2s status=200 1.83s
+        saved≈4.2s status=200 1.8s
 
 With `--log-json` every log record (not only these) is one JSON object per line; request
 lines carry their numbers as fields, so a log shipper needs no parsing.
@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from kvproxy import readable
 from kvproxy.cache.events import Count, MissExplanation, RequestEvent, SlotActionEvent
 from kvproxy.cache.explain import describe
 
@@ -112,7 +113,7 @@ def format_request(event: RequestEvent, fields: dict[str, Any] | None = None) ->
     if event.backend is not None:
         parts.append(f"backend={event.backend}")
     if event.decision == "restored":
-        parts.append(f"restored={event.restored_tokens}tok/{event.restore_ms:.1f}ms")
+        parts.append(f"restored={event.restored_tokens}tok/{_t(event.restore_ms / 1000)}")
     if event.cache_n is not None:
         parts.append(f"cache_n={event.cache_n}")
     if event.prompt_n is not None:
@@ -121,12 +122,16 @@ def format_request(event: RequestEvent, fields: dict[str, Any] | None = None) ->
         parts.append(f"evaluated={event.evaluated}")
     saved = fields["prefill_saved_s"]
     if saved is not None and event.cache_n:
-        parts.append(f"saved≈{saved:.1f}s")
+        parts.append(f"saved≈{_t(saved)}")
     if event.queue_wait_s >= 0.01:
-        parts.append(f"wait={event.queue_wait_s:.2f}s")
+        parts.append(f"wait={_t(event.queue_wait_s)}")
     parts.append(f"status={event.status}")
-    parts.append(f"{event.duration_s:.2f}s")
+    parts.append(_t(event.duration_s))
     return " ".join(parts)
+
+
+def _t(seconds: float) -> str:
+    return readable.duration(seconds, sep="")
 
 
 # Attributes every LogRecord has; anything else came in through `extra=`.

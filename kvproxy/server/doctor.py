@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from kvproxy import readable
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute, SlotInfo
@@ -203,11 +204,12 @@ class Doctor:
             self.add(
                 "cache dir",
                 "warn",
-                f"{self.cache_dir}: {_gib(free)} free, less than --max-disk {_gib(budget)}",
-                f"lower --max-disk below {_gib(free)} or free disk space",
+                f"{self.cache_dir}: {readable.size(free)} free, "
+                f"less than --max-disk {readable.size(budget)}",
+                f"lower --max-disk below {readable.size(free)} or free disk space",
             )
         else:
-            self.add("cache dir", "ok", f"{self.cache_dir}: private, {_gib(free)} free")
+            self.add("cache dir", "ok", f"{self.cache_dir}: private, {readable.size(free)} free")
 
     async def check_save_path(self) -> None:
         beside = await self._beside_proxy()
@@ -328,10 +330,6 @@ def _cache_dir_problem(path: Path) -> tuple[Status, str, str] | None:
 def _unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 async def diagnose(settings: Settings, quick: bool = False) -> list[Check]:

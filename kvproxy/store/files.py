@@ -35,6 +35,7 @@ import xxhash
 from kvproxy.keys import is_key
 from kvproxy.store.entry import Entry
 from kvproxy.store.owners import Owner, stale_temp
+from kvproxy.store.verify import Verified
 
 log = logging.getLogger("kvproxy.store")
 
@@ -70,6 +71,7 @@ class StoreFiles:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.owner = Owner(root)  # taken by a proxy's open (owners.py)
+        self.verified = Verified()  # files that hashed right since their last change
 
     # --- names
 
@@ -307,19 +309,12 @@ class StoreFiles:
     def verify_checksum(self, entry: Entry) -> str | None:
         """Size and header survive a damaged tensor, and a damaged state answers garbage where
         the server alone answers right: the files must hash as they did at commit. Reads
-        every byte, so the caller runs it beside the server's own read of the file."""
+        every byte, so the caller runs it beside the server's own read of the file; a file
+        that hashed right since its last change is not read again (verify.py)."""
         if not entry.checksum:
             return None  # a record from before checksums: size and header only
-        digest = xxhash.xxh3_128()
-        state = self.state_name(entry.key)
-        try:
-            for p in sorted(self.state_files(entry), key=lambda f: f.name):
-                _hash_into(digest, p, p.name[len(state) :])
-        except (OSError, ValueError) as exc:
-            return str(exc)
-        if digest.hexdigest() != entry.checksum:
-            return "checksum mismatch: the state file changed since it was saved"
-        return None
+        paths = sorted(self.state_files(entry), key=lambda f: f.name)
+        return self.verified.check(entry.key, entry.checksum, paths, self.state_name(entry.key))
 
     # --- deleting
 

@@ -30,6 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
+from kvproxy import readable
 from kvproxy.store.db import IndexDB, IndexUnwritable
 from kvproxy.store.entry import Entry
 from kvproxy.store.files import Steps, StoreFiles
@@ -397,4 +398,4 @@ class Store(OfflineStore):
 
     def _log_opened(self) -> None:
         n, size = self.summary.entries, self.summary.bytes
-        log.info("cache dir %s: %d entries, %d bytes", self.root, n, size)
+        log.info("cache dir %s: %d entries, %s", self.root, n, readable.size(size))
