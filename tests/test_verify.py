@@ -21,13 +21,42 @@ def damage(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The files the check reads from now on."""
+    hashed: list[int] = []
+    real = verify.hash_file
+
+    def counted(digest: Any, suffix: str, fd: int) -> None:
+        hashed.append(fd)
+        real(digest, suffix, fd)
+
+    monkeypatch.setattr(verify, "hash_file", counted)
+    return hashed
+
+
 @pytest.mark.parametrize("sidecar", [False, True])
 def test_a_fresh_commit_checks_out(tmp_path: Path, sidecar: bool) -> None:
-    """The mapped hash computes what the commit recorded (sidecars in the same order)."""
+    """The check computes what the commit recorded (sidecars in the same order), read by a
+    process that did not commit it (the memo of the commit's own hash left out)."""
     store = Store(tmp_path, ttl=3600, max_bytes=0)
     entry = save(store, 2, size=3 * 1000 + 7, sidecar=sidecar)
     assert entry.checksum
+    store.files.verified.forget(entry.key)
     assert store.files.verify_checksum(entry) is None
+
+
+def test_a_state_just_committed_is_not_read_again_at_its_first_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit hashed it a moment ago: the conversation's next turn waits for no second
+    read of it (and a change since is still caught, below)."""
+    store = Store(tmp_path, ttl=3600, max_bytes=0)
+    entry = save(store, 2, size=50_000)
+    hashed = counting(monkeypatch)
+    assert store.files.verify_checksum(entry) is None
+    assert hashed == []
+    damage(store.files.state_files(entry)[0])
+    assert "checksum mismatch" in (store.files.verify_checksum(entry) or "")
 
 
 def test_an_empty_file_hashes_like_the_commit(tmp_path: Path) -> None:
@@ -40,6 +69,7 @@ def test_an_empty_file_hashes_like_the_commit(tmp_path: Path) -> None:
     (tmp_path / temp).write_bytes(store.files.state_files(entry)[0].read_bytes())
     (tmp_path / f"{temp}.ckpt").write_bytes(b"")
     again = store.commit(entry, temp)
+    store.files.verified.forget(again.key)
     assert store.files.verify_checksum(again) is None
 
 
@@ -49,14 +79,8 @@ def test_an_unchanged_file_is_not_read_again(
     """An opening restored for many conversations is hashed once, not at every restore."""
     store = Store(tmp_path, ttl=3600, max_bytes=0)
     entry = save(store, 2, size=50_000)
-    hashed: list[int] = []
-    real = verify.hash_file
-
-    def counted(digest: Any, suffix: str, fd: int) -> None:
-        hashed.append(fd)
-        real(digest, suffix, fd)
-
-    monkeypatch.setattr(verify, "hash_file", counted)
+    store.files.verified.forget(entry.key)  # as a process that did not commit it
+    hashed = counting(monkeypatch)
     assert store.files.verify_checksum(entry) is None
     assert store.files.verify_checksum(entry) is None
     assert store.files.verify_checksum(entry) is None

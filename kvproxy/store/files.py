@@ -35,7 +35,7 @@ import xxhash
 from kvproxy.keys import is_key
 from kvproxy.store.entry import Entry
 from kvproxy.store.owners import Owner, stale_temp
-from kvproxy.store.verify import Verified
+from kvproxy.store.verify import Verified, identity
 
 log = logging.getLogger("kvproxy.store")
 
@@ -219,25 +219,41 @@ class StoreFiles:
         _unlink(self._msgs_path(key))
         size = 0
         digest = xxhash.xxh3_128()
+        hashed: list[tuple[Path, int, int]] = []  # each file as it was when hashed
         for src_path, dst in sorted(moved, key=lambda pair: pair[1].name):
+            before = os.lstat(src_path)
             size += _regular_size(src_path)
             with contextlib.suppress(OSError):
                 os.chmod(src_path, 0o600)
             _hash_into(digest, src_path, dst.name[len(state) :])
             _fsync_file(src_path)
             os.replace(src_path, dst)
+            hashed.append((dst, before.st_size, before.st_mtime_ns))
         msgs_bytes = self._write_messages(key, entry.messages) if entry.messages else 0
         # The renames are durable before the row that commits them is written.
         _fsync_dir(self.root)
+        checksum = digest.hexdigest()
+        self._checked(key, hashed, checksum)
         # The text is on disk now: kept out of memory and out of the index.
         return replace(
             entry,
             state_bytes=size,
             msgs_bytes=msgs_bytes,
-            checksum=digest.hexdigest(),
+            checksum=checksum,
             sidecars=tuple(sidecars),
             messages=None,
         )
+
+    def _checked(self, key: str, hashed: list[tuple[Path, int, int]], checksum: str) -> None:
+        """The files a commit just hashed are known to match: the state's first restore (the
+        conversation's next turn, often seconds later) need not read it a second time. Only
+        if nothing wrote to them while they were hashed (their size and mtime as before)."""
+        try:
+            ids = [identity(dst) for dst, _, _ in hashed]
+        except (OSError, ValueError):
+            return
+        if all(i[2] == n and i[3] == mtime for i, (_, n, mtime) in zip(ids, hashed, strict=True)):
+            self.verified.remember(key, ids, checksum)
 
     def _write_messages(self, key: str, messages: list[Any]) -> int:
         """Write `<key>.msgs` (before the commit marker); its size, or 0 if not kept."""
