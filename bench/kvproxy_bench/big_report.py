@@ -52,7 +52,7 @@ def markdown(result: BigResult) -> str:
         _streams(pts),
         "kvproxy's memory (VmRSS, sampled every 0.25 s through its arm)",
         _rss(pts),
-        "SIGTERM right after every slot got a new turn, then a restart",
+        "SIGTERM after every slot got a new turn: once they idled (saved), and at once",
         _shutdown(pts),
         "Disk kept for the returning conversation after its turns",
         _kept(pts),
