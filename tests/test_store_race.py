@@ -26,8 +26,7 @@ from kvproxy import keys
 from kvproxy.cache import backend as backendmod
 from kvproxy.edge.app import SERVICE
 from kvproxy.lanes import cache as cachemod
-from kvproxy.store import Entry, Store
-from kvproxy.store import files as storefiles
+from kvproxy.store import Entry, Store, fileops
 
 from .conftest import NOT_ENTRIES, Maker, RunningProxy, start_proxy
 from .fakeserver import FakeLlamaServer
@@ -53,14 +52,14 @@ async def test_a_scrape_during_a_commit_answers_and_the_index_follows(
     assert len(store.entries) == 1
 
     in_commit = threading.Event()
-    fsync = storefiles._fsync_file
+    fsync = fileops.fsync_file
 
     def slow_fsync(path: Path) -> None:  # runs in the commit's thread
         in_commit.set()
         time.sleep(0.1)
         fsync(path)
 
-    monkeypatch.setattr(storefiles, "_fsync_file", slow_fsync)
+    monkeypatch.setattr(fileops, "fsync_file", slow_fsync)
     talking = asyncio.ensure_future(chat(proxy, conv(2)))  # its reply is saved: a commit
     while not in_commit.is_set():
         await asyncio.sleep(0.002)

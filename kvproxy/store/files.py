@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import secrets
-import stat
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,9 +32,10 @@ import orjson
 import xxhash
 
 from kvproxy.keys import is_key
+from kvproxy.store import fileops
 from kvproxy.store.entry import Entry
 from kvproxy.store.owners import Owner, stale_temp
-from kvproxy.store.verify import Verified, identity
+from kvproxy.store.verify import Verified, hash_file, identity
 
 log = logging.getLogger("kvproxy.store")
 
@@ -116,7 +116,7 @@ class StoreFiles:
             key = name.split(".", 1)[0]
             if TMP_MARK in name:
                 if sweep and is_key(key) and stale_temp(name, self.owner.token, others):
-                    _unlink(self.root / name)
+                    fileops.unlink(self.root / name)
             elif is_key(key):
                 by_key.setdefault(key, []).append(name[len(key) :])
         if others:
@@ -140,7 +140,7 @@ class StoreFiles:
                 for suffix in suffixes:
                     if suffix != IDX_SUFFIX:
                         log.info("sweeping uncommitted file %s%s", key, suffix)
-                    _unlink(self.root / f"{key}{suffix}")
+                    fileops.unlink(self.root / f"{key}{suffix}")
         out.missing = [k for k in known if ".kv" not in by_key.get(k, ())]
         return out
 
@@ -170,19 +170,19 @@ class StoreFiles:
         opens the dir then finds no record and sweeps the entries rather than trusting
         records the index may since have replaced."""
         for key in keys:
-            _unlink(self._idx_path(key))
-        _fsync_dir(self.root)
+            fileops.unlink(self._idx_path(key))
+        fileops.fsync_dir(self.root)
 
     def _msgs_size(self, key: str) -> int:
         """The size of `<key>.msgs`, 0 if it is missing or not a regular file."""
         try:
-            return _regular_size(self._msgs_path(key))
+            return fileops.regular_size(self._msgs_path(key))
         except (OSError, ValueError):
             return 0
 
     @staticmethod
     def _read_regular(path: Path, limit: int) -> bytes:
-        fd = _open_regular(path)
+        fd = fileops.open_regular(path)
         try:
             with os.fdopen(fd, "rb", closefd=False) as fh:
                 return fh.read(limit)
@@ -215,23 +215,27 @@ class StoreFiles:
         if old is not None:
             for path in self.state_files(old)[1:]:
                 if all(path != dst for _, dst in moved):
-                    _unlink(path)
-        _unlink(self._msgs_path(key))
+                    fileops.unlink(path)
+        fileops.unlink(self._msgs_path(key))
         size = 0
         digest = xxhash.xxh3_128()
         hashed: list[tuple[Path, int, int]] = []  # each file as it was when hashed
         for src_path, dst in sorted(moved, key=lambda pair: pair[1].name):
             before = os.lstat(src_path)
-            size += _regular_size(src_path)
+            size += fileops.regular_size(src_path)
             with contextlib.suppress(OSError):
                 os.chmod(src_path, 0o600)
-            _hash_into(digest, src_path, dst.name[len(state) :])
-            _fsync_file(src_path)
+            fd = fileops.open_regular(src_path)
+            try:
+                hash_file(digest, dst.name[len(state) :], fd)
+            finally:
+                os.close(fd)
+            fileops.fsync_file(src_path)
             os.replace(src_path, dst)
             hashed.append((dst, before.st_size, before.st_mtime_ns))
         msgs_bytes = self._write_messages(key, entry.messages) if entry.messages else 0
         # The renames are durable before the row that commits them is written.
-        _fsync_dir(self.root)
+        fileops.fsync_dir(self.root)
         checksum = digest.hexdigest()
         self._checked(key, hashed, checksum)
         # The text is on disk now: kept out of memory and out of the index.
@@ -278,7 +282,7 @@ class StoreFiles:
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink(tmp)
+            fileops.unlink(tmp)
             raise
         os.close(fd)
         os.replace(tmp, path)
@@ -310,10 +314,10 @@ class StoreFiles:
         A few `lstat`s of derived names and a 12-byte read."""
         path = self.root / self.state_name(entry.key)
         try:
-            size = sum(_regular_size(p) for p in self.state_files(entry))
+            size = sum(fileops.regular_size(p) for p in self.state_files(entry))
             if size != entry.state_bytes:
                 return f"size {size} != recorded {entry.state_bytes}"
-            fd = _open_regular(path)
+            fd = fileops.open_regular(path)
             with os.fdopen(fd, "rb") as fh:
                 head = fh.read(12)
         except (OSError, ValueError) as exc:
@@ -339,9 +343,9 @@ class StoreFiles:
         for entry in entries:
             for path in [*self.state_files(entry), self._msgs_path(entry.key)]:
                 with contextlib.suppress(OSError):
-                    _unlink(path)
+                    fileops.unlink(path)
             with contextlib.suppress(OSError):
-                _unlink(self._idx_path(entry.key))  # a record a downgrade may have left
+                fileops.unlink(self._idx_path(entry.key))  # a record a downgrade may have left
 
     def delete_key(self, key: str) -> None:
         """Delete the files a key with no row may have (a damaged record): every derived
@@ -350,62 +354,9 @@ class StoreFiles:
         names = [state, *(Path(f"{state}{s}") for s in SIDECAR_SUFFIXES)]
         for path in [self._idx_path(key), *names, self._msgs_path(key)]:
             with contextlib.suppress(OSError):
-                _unlink(path)
+                fileops.unlink(path)
 
     def discard_temp(self, temp: str) -> None:
         for path in [self.root / temp, *(self.root / f"{temp}{s}" for s in SIDECAR_SUFFIXES)]:
             with contextlib.suppress(OSError):
-                _unlink(path)
-
-
-def _hash_into(digest: Any, path: Path, suffix: str) -> None:
-    """Add one state file (its name's suffix after `<key>.kv`, then its bytes) to `digest`."""
-    digest.update(suffix.encode() + b"\0")
-    fd = _open_regular(path)
-    with os.fdopen(fd, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _regular_size(path: Path) -> int:
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path.name} is not a regular file")
-    return st.st_size
-
-
-# Opening never blocks (a FIFO would block until a writer comes) and follows no symlink.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-
-
-def _open_regular(path: Path) -> int:
-    """A read-only fd of `path`, checked to be a regular file; ValueError if it is not."""
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path.name} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _fsync_file(path: Path) -> None:
-    _fsync(path, _READ_FLAGS)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
-
-
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+                fileops.unlink(path)

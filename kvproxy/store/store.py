@@ -394,8 +394,6 @@ class Store(OfflineStore):
         """The open's work (`kvproxy.store.startup`), on the thread that owns `db`."""
         return open_index(db, self.files, sweep, progress)
 
-    # --- reads and temp clean-up: no index, any thread
-
     def _log_opened(self) -> None:
         n, size = self.summary.entries, self.summary.bytes
         log.info("cache dir %s: %d entries, %s", self.root, n, readable.size(size))

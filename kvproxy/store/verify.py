@@ -31,6 +31,8 @@ from typing import Any
 
 import xxhash
 
+from kvproxy.store.fileops import open_regular
+
 CHUNK = 8 << 20  # bytes read, then hashed, at a time (the GIL released for both)
 MAX_REMEMBERED = 4096  # files whose check is remembered; the oldest forgotten first
 
@@ -89,10 +91,8 @@ class Verified:
                 return None
             digest = xxhash.xxh3_128()
             for p in paths:
-                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                fd = open_regular(p)
                 try:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        raise ValueError(f"{p.name} is not a regular file")
                     hash_file(digest, p.name[len(state) :], fd)
                 finally:
                     os.close(fd)
