@@ -7,6 +7,7 @@ restart; the bytes A's five turns keep on disk; every conversation back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -102,11 +103,11 @@ class Proxied:
         out, got = await self.run.ask(KVPROXY, what, self.arm.url, messages)
         span = await asyncio.to_thread(big_log.read_span, log, start)
         out.waited = big_log.describe(span)
-        path = await asyncio.to_thread(restored_file, cache, tokens)
-        if path is not None and out.cache_state == "restored":
-            out.state_bytes, out.cold_read_s, out.warm_read_s = await asyncio.to_thread(
-                read_times, path
-            )
+        read = None
+        if out.cache_state == "restored":
+            read = await asyncio.to_thread(_restored_read, cache, tokens)
+        if read is not None:
+            out.state_bytes, out.cold_read_s, out.warm_read_s = read
             if self.point.disk is None:
                 self.point.disk = await asyncio.to_thread(disk_write, cache, out.state_bytes)
         if got.ok:
@@ -213,7 +214,22 @@ def _per_token(arm: ProxyArm) -> float:
 
 def _drop_all(cache_dir: Path) -> None:
     for path in cache_dir.glob("*.kv"):
-        drop_from_page_cache(path)
+        with contextlib.suppress(FileNotFoundError):  # superseded meanwhile
+            drop_from_page_cache(path)
+
+
+def _restored_read(cache_dir: Path, tokens: list[int]) -> tuple[int, float, float] | None:
+    """The disk's own reads of the state a restore picked; another look if kvproxy removed it
+    meanwhile (a newer state of the same conversation superseding it)."""
+    for _ in range(3):
+        path = restored_file(cache_dir, tokens)
+        if path is None:
+            return None
+        try:
+            return read_times(path)
+        except FileNotFoundError:
+            continue
+    return None
 
 
 async def _cache_open(arm: ProxyArm, timeout: float = 300.0) -> None:

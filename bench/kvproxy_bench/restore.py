@@ -230,25 +230,34 @@ def drop_from_page_cache(path: Path) -> None:
     written first, or they would stay)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        _drop(fd)
     finally:
         os.close(fd)
 
 
+def _drop(fd: int) -> None:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def read_times(path: Path) -> tuple[int, float, float]:
-    """The file's size, and seconds to read all of it cold, then from the page cache."""
-    drop_from_page_cache(path)
-    cold = _read(path)
-    warm = _read(path)
-    return path.stat().st_size, cold, warm
+    """The file's size, and seconds to read all of it cold, then from the page cache. Read
+    through one open file: kvproxy may remove it meanwhile (a newer state superseding it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _drop(fd)
+        cold = _read(fd)
+        warm = _read(fd)
+        return os.fstat(fd).st_size, cold, warm
+    finally:
+        os.close(fd)
 
 
-def _read(path: Path) -> float:
+def _read(fd: int) -> float:
     started = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(READ_CHUNK):
-            pass
+    os.lseek(fd, 0, os.SEEK_SET)
+    while os.read(fd, READ_CHUNK):
+        pass
     return time.perf_counter() - started
 
 
