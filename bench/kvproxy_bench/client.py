@@ -11,6 +11,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy.http.session import LenientConnector
+
 
 @dataclass
 class Reply:
@@ -57,11 +59,14 @@ class Reply:
 
 @dataclass
 class Client:
-    """One session per benchmark: connection set-up is not what we measure."""
+    """One session per benchmark: connection set-up is not what we measure. Its connections
+    are kvproxy's own (LenientConnector): not reused after a streamed reply, which llama-server
+    follows by closing the connection."""
 
     session: aiohttp.ClientSession = field(
         default_factory=lambda: aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+            connector=LenientConnector(),
         )
     )
 

@@ -36,6 +36,7 @@ import aiohttp
 import orjson
 
 from kvproxy import keys as keymod
+from kvproxy.http.session import LenientConnector
 from kvproxy.server.managed import free_port
 from kvproxy_bench.arms import BenchEnv
 from kvproxy_bench.process import LoggedProcess
@@ -195,7 +196,10 @@ async def _run_mode(env: BenchEnv, opts: OverheadOptions, mode: str) -> ModeResu
     floor = LoggedProcess(workdir / "minimal-proxy.log")
     floored = f"http://127.0.0.1:{floor_port}"
     out = ModeResult(mode)
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+    # Not reused after a streamed reply: llama-server closes the connection then.
+    session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120), connector=LenientConnector()
+    )
     try:
         await fake.start(fake_command)
         await _wait_up(session, direct + "/health", fake)

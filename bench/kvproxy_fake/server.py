@@ -183,9 +183,9 @@ def _wrap(id_slot: int, n_slots: int) -> int:
 # --------------------------------------------------------------------------- server
 
 
-# How long after a streamed reply's last chunk the connection closes: long enough for a client
-# to send its next request on it, as happens against the real server.
-STREAM_CLOSE_S = 0.05
+# How long after a streamed reply's last chunk the connection closes (llama-server: at once; a
+# client that sends its next request on it first loses it).
+STREAM_CLOSE_S = 0.0
 
 
 class FakeLlamaServer:
@@ -759,7 +759,7 @@ class FakeLlamaServer:
             await asyncio.sleep(self.end_delay)
             await resp.write_eof()
             # llama-server closes the connection after every streamed reply (its head says
-            # Keep-Alive all the same), a moment after the last chunk.
+            # Keep-Alive all the same).
             transport = request.transport
             if transport is not None:
                 asyncio.get_running_loop().call_later(STREAM_CLOSE_S, transport.close)
