@@ -18,6 +18,7 @@ from kvproxy_fake.model import BOS, EOS, common_prefix, render_chat, tokenize
 from kvproxy_fake.replies import ChatFormat, Job, Run, sse
 from kvproxy_fake.server import FakeLlamaServer, FakeSlot
 
+from kvproxy.http.session import LenientConnector
 from kvproxy.server.managed import free_port
 
 pytestmark = pytest.mark.timeout(20)
@@ -29,7 +30,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_x", "parameters": {"type
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
+    # llama-server closes a streamed reply's connection, and so does the fake: not reused.
+    async with aiohttp.ClientSession(connector=LenientConnector()) as session:
         yield session
 
 
