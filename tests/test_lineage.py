@@ -33,6 +33,15 @@ def test_shared_starts_and_unkinded_entries_are_never_superseded() -> None:
     assert superseded("prefix", [opening, Older("t1", 3, True)]) == ["t1"]
 
 
+def test_a_state_another_layout_saved_is_never_superseded() -> None:
+    """Refused by this server (saved with flash attention on, say): kept for when the server
+    runs that way again, whatever newer state this layout saves."""
+    refused = Older("t1", 3, True, set_aside=True)
+    assert superseded("prefix", [refused]) == []
+    assert superseded("prefix", [refused, Older("t2", 5, True)]) == ["t2"]
+    assert superseded("extension", [refused, Older("t2", 5, True), Older("t3", 7, True)]) == ["t2"]
+
+
 def commit(store: Store, turns: int, kind: str = TURN, size: int = 1000) -> Entry:
     messages = [{"role": "user", "content": f"m{i}"} for i in range(turns)]
     chain = keys.chain(NS, messages)

@@ -58,6 +58,7 @@ class Commits:
         self.backend = ctx.backend
         self.pace = ctx.events.pace if isinstance(ctx.events, PacedEvents) else None
         self.events = ctx.events
+        self.guard = ctx.guard
         self.background = ctx.background
         self.trouble = trouble
         self.under_way = under_way
@@ -144,10 +145,13 @@ class Commits:
         (lineage.py); the budget then counts what is kept."""
         if entry.kind != TURN or len(entry.chain) < 2:
             return
-        rule = self.rule()
+        rule, life = self.rule(), self.backend.life
 
         def choose(older: list[Entry]) -> list[str]:
-            views = [Older(e.key, len(e.chain), e.kind == TURN) for e in older]
+            views = [
+                Older(e.key, len(e.chain), e.kind == TURN, self.guard.set_aside_for(life, e.key))
+                for e in older
+            ]
             return superseded(rule, views)
 
         try:

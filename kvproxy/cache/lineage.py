@@ -16,7 +16,10 @@ rules, from DESIGN.md's measurements):
 
 Only conversations' turns are superseded: openings and stems (shared starts other sessions
 restore) and entries of no recorded kind (saved before kvproxy kinded them) stay, left to
-the TTL and the byte budget.
+the TTL and the byte budget. So does a state this server refused or did not reuse: it was
+saved under other settings (another KV layout, flash attention), kept for when the server
+runs that way again (refused.py), and a newer state of this server's layout stands for
+nothing of it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Older:
     key: str
     depth: int  # boundaries it holds (len(chain))
     turn: bool  # a conversation's turn (else a shared start, or of no known kind: kept)
+    set_aside: bool = False  # this server refused it or did not reuse it: another layout's
 
 
 def kept_back(rule: RestoreRule | None) -> int:
@@ -43,5 +47,6 @@ def kept_back(rule: RestoreRule | None) -> int:
 
 def superseded(rule: RestoreRule | None, older: Sequence[Older]) -> list[str]:
     """The keys of `older` that the new state makes redundant, by the model class's rule."""
-    turns = sorted((o for o in older if o.turn), key=lambda o: o.depth, reverse=True)
+    mine = (o for o in older if o.turn and not o.set_aside)
+    turns = sorted(mine, key=lambda o: o.depth, reverse=True)
     return [o.key for o in turns[kept_back(rule) :]]

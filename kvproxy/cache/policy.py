@@ -255,6 +255,10 @@ class RestoreGuard:
     def set_aside(self, life: str, key: str) -> None:
         self._aside.add((life, key))
 
+    def set_aside_for(self, life: str, key: str) -> bool:
+        """Was this entry refused, or restored and not reused, by this server (`life`)?"""
+        return (life, key) in self._aside
+
     def record(
         self, life: str, namespace: str, key: str, older: bool, verdict: RestoreVerdict
     ) -> bool:
