@@ -92,9 +92,10 @@ async def test_a_background_save_waits_until_another_slots_stream_ends(
         assert (proxy.cache.lane.gate.save_seconds(a) or 0) > (
             proxy.cache.lane.pace.token_gap_s or 0
         ), "A's save is not longer than a token: the test would show nothing"
+        # Longer than any machine streams in the 4 s read below: the client leaves then.
         body = {
             "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 40,
+            "max_tokens": 1000,
             "ignore_eos": True,
             "stream": True,
         }
@@ -109,6 +110,8 @@ async def test_a_background_save_waits_until_another_slots_stream_ends(
                     event = orjson.loads(line[6:])
                     if event.get("choices"):
                         seen.append((time.monotonic() - a.last_used, a.saved))
+                if seen and seen[-1][0] > 4.0:
+                    break  # well past A's save coming due: the stream ends here
         due = [saved for idle, saved in seen if idle > 2.5]
         assert due, f"the stream ended before A's save came due: {seen}"
         assert not any(saved for _, saved in seen), "A was saved while the stream ran"
