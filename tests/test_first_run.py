@@ -209,7 +209,9 @@ async def run_until_ready(
 
 
 async def stop_and_read(proc: asyncio.subprocess.Process, said: str) -> str:
-    if proc.returncode is None:
+    """SIGTERM a kvproxy that got ready; one that did not is on its way out on its own (its
+    stderr ended), and a SIGTERM now would race its exit."""
+    if proc.returncode is None and "kvproxy ready" in said:
         proc.send_signal(signal.SIGTERM)
     assert proc.stderr is not None
     rest = await asyncio.wait_for(proc.stderr.read(), 60)

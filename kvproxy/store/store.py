@@ -304,15 +304,16 @@ class Store(OfflineStore):
         """TTL first, then least recently used until the budget (plus `incoming`) fits:
         indexed queries, stopping once the budget fits. The victims' rows are gone when this
         returns; delete their files with `delete_files_async`. Entries pinned for a restore
-        stay; a victim whose key was committed again meanwhile is left out (its files are
-        the new commit's)."""
+        or being committed stay; a victim whose key was committed again meanwhile is left out
+        (its files are the new commit's)."""
         summary, now = self.summary, time.time()
         if (self.ttl <= 0 or now - summary.oldest <= self.ttl) and (
             self.max_bytes <= 0 or summary.bytes + incoming <= self.max_bytes
         ):
             return []  # the summary is exact as of the last write: nothing to ask
-        pinned = frozenset(self._pinned)
+        # A key being committed is no victim: its row may be the new one (files left rowless).
         seen = set(self._committing)
+        pinned = frozenset(self._pinned) | frozenset(seen)
         self._watchers.append(seen)
         try:
             victims = await self._db(
