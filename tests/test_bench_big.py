@@ -106,10 +106,10 @@ def test_the_watch_keeps_a_window_per_save_and_restore() -> None:
 
 
 def test_the_command_line_takes_the_big_flags() -> None:
-    args = build_parser().parse_args(
-        ["bench", "big", "--sizes", "8192,16384", "--kv-type", "q8_0", "--arms", "kvproxy"]
-    )
+    given = ["--sizes", "8192,16384", "--kv-type", "q8_0", "--arms", "kvproxy"]
+    args = build_parser().parse_args(["bench", "big", *given, "--flash-attn", "off"])
     assert (args.model, args.sizes, args.kv_type, args.slots) == ("big", "8192,16384", "q8_0", None)
+    assert args.flash_attn == "off"
     assert arms_of("kvproxy,no-cache", BIG_ARM_FLAGS) == (KVPROXY, DIRECT_NO_CACHE)
 
 

@@ -198,6 +198,19 @@ def test_the_added_faults_break_the_run_when_asked_and_not_shown() -> None:
     assert Verdict(*base, timing_wanted=True).violations() == ["no cross-tenant timing pair ran"]
     told = Verdict(*base, timing_wanted=True, timing_pairs=4, timing_differing=1)
     assert told.violations() == ["1 cross-tenant pairs told apart by headers or cache_n"]
+    pair = TimingPair(
+        1,
+        0.1,
+        0.1,
+        {"cache_n": "12", "X-KVProxy-Cache": "miss"},
+        {"cache_n": "1", "X-KVProxy-Cache": "miss"},
+    )
+    shown = Verdict(
+        *base, timing_wanted=True, timing_pairs=4, timing_differing=1, timing_seen=(pair.told(),)
+    )
+    assert shown.violations() == [
+        "1 cross-tenant pairs told apart by headers or cache_n [cache_n: same '12', control '1']"
+    ]
 
 
 def test_slow_clients_effect_is_the_ratio_of_medians() -> None:

@@ -211,6 +211,7 @@ class Verdict:
     timing_wanted: bool = False
     timing_pairs: int = 0
     timing_differing: int = 0  # pairs a tenant tells apart by X-KVProxy headers or cache_n
+    timing_seen: tuple[str, ...] = ()  # what each side of those pairs saw, to read why
 
     def violations(self) -> list[str]:
         out = []
@@ -240,5 +241,6 @@ class Verdict:
         if self.timing_differing:
             out.append(
                 f"{self.timing_differing} cross-tenant pairs told apart by headers or cache_n"
+                + "".join(f" [{seen}]" for seen in self.timing_seen)
             )
         return out

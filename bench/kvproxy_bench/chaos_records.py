@@ -119,6 +119,7 @@ class ChaosResult:
             timing_wanted=bool(self.options.get("timing_pairs")),
             timing_pairs=len(self.timing.pairs),
             timing_differing=self.timing.differing(),
+            timing_seen=tuple(p.told() for p in self.timing.pairs if p.differ),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -41,6 +41,18 @@ class TimingPair:
     def differ(self) -> bool:
         return self.same_seen != self.control_seen
 
+    def told(self) -> str:
+        """What the two sides saw where they differ: the failure's first clue."""
+        keys = sorted(
+            k
+            for k in {*self.same_seen, *self.control_seen}
+            if self.same_seen.get(k) != self.control_seen.get(k)
+        )
+        return ", ".join(
+            f"{k}: same {self.same_seen.get(k)!r}, control {self.control_seen.get(k)!r}"
+            for k in keys
+        )
+
 
 @dataclass
 class TimingProbes:

@@ -85,6 +85,8 @@ async def _run(args: argparse.Namespace) -> int:
         args.model = str(await asyncio.to_thread(big_model_file, default_models_dir()))
     if getattr(args, "kv_type", None):
         args.server_args = [*args.server_args, "-ctk", args.kv_type, "-ctv", args.kv_type]
+    if getattr(args, "flash_attn", None):
+        args.server_args = [*args.server_args, "--flash-attn", args.flash_attn]
     env = await asyncio.to_thread(
         BenchEnv.create, workdir, args.model, args.server_bin, args.threads, args.server_args
     )

@@ -183,6 +183,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--kv-type", default=None, help="KV cache type of every server (-ctk/-ctv), e.g. q8_0"
     )
+    p.add_argument(
+        "--flash-attn",
+        choices=("on", "off", "auto"),
+        default=None,
+        help="every server's --flash-attn (default: the server's, auto)",
+    )
     p.add_argument("--arms", help="comma-separated: ram-cache, kvproxy, no-cache")
 
     p = scenarios.add_parser(
