@@ -183,12 +183,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--kv-type", default=None, help="KV cache type of every server (-ctk/-ctv), e.g. q8_0"
     )
-    p.add_argument(
-        "--flash-attn",
-        choices=("on", "off", "auto"),
-        default=None,
-        help="every server's --flash-attn (default: the server's, auto)",
-    )
     p.add_argument("--arms", help="comma-separated: ram-cache, kvproxy, no-cache")
 
     p = scenarios.add_parser(
@@ -226,6 +220,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="write benchmarks.md, img/, json here")
     p.add_argument("--workdir", type=Path, default=None, help="cache dirs and logs (temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.add_argument(
+        "--flash-attn",
+        choices=("on", "off", "auto"),
+        default=None,
+        help="every server's --flash-attn (default: the server's own, auto)",
+    )
     p.set_defaults(func=run, server_args=[])
 
 
