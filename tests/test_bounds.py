@@ -9,8 +9,8 @@ from pathlib import Path
 
 import orjson
 
-from kvproxy.cache import bounds
-from kvproxy.cache.bounds import NamespaceLRU
+from kvproxy.cache.decisions import bounds
+from kvproxy.cache.decisions.bounds import NamespaceLRU
 from kvproxy.cache.habits import BYTE_BUDGET, Habits
 from kvproxy.edge.app import SERVICE
 from kvproxy.store import dirfiles

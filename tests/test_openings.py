@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.cache.policy import (
+from kvproxy.cache.decisions.policy import (
     StoredView,
     near_end_candidate,
     pick_stored,

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.cache.policy import (
+from kvproxy.cache.decisions.policy import (
     INEFFECTIVE_LIMIT,
     HeldView,
     Move,

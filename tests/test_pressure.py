@@ -1,8 +1,8 @@
-"""The background-save policy (kvproxy/cache/pressure.py) on plain data."""
+"""The background-save policy (kvproxy/cache/decisions/pressure.py) on plain data."""
 
 from __future__ import annotations
 
-from kvproxy.cache.pressure import (
+from kvproxy.cache.decisions.pressure import (
     IdleView,
     LiveConversations,
     SaveDecision,

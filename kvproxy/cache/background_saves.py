@@ -18,8 +18,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from kvproxy.cache.leases import Background
-from kvproxy.cache.pressure import (
+from kvproxy.cache.decisions.pressure import (
     IdleView,
     LiveConversations,
     SaveDecision,
@@ -27,6 +26,7 @@ from kvproxy.cache.pressure import (
     gives_way,
     next_background_save,
 )
+from kvproxy.cache.leases import Background
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.cache.slots import Slot

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from kvproxy import keys
 from kvproxy.cache.backend import Backend
+from kvproxy.cache.decisions.policy import RestoreGuard
 from kvproxy.cache.events import Events
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.leases import Background
-from kvproxy.cache.policy import RestoreGuard
 from kvproxy.config import Settings
 from kvproxy.store import Store
 

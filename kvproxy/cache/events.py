@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from kvproxy.cache.policy import Decision
-from kvproxy.cache.prefillrate import PrefillRates
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.decisions.prefillrate import PrefillRates
 
 log = logging.getLogger("kvproxy.events")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvproxy.cache.policy import RestoreRule
+from kvproxy.cache.decisions.policy import RestoreRule
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvproxy import keys
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.decisions.policy import Decision
 from kvproxy.cache.slots import Slot
 from kvproxy.server.api import LlamaClient
 from kvproxy.wire import Conversation, with_lora

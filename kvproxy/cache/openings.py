@@ -36,11 +36,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from kvproxy.cache.bounds import NamespaceLRU
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.context import CacheContext
+from kvproxy.cache.decisions.bounds import NamespaceLRU
+from kvproxy.cache.decisions.policy import resident_serves
 from kvproxy.cache.habits import worth_comparing
-from kvproxy.cache.policy import resident_serves
 from kvproxy.cache.reuse import Reuse
 from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slotpool import SlotPool

@@ -22,13 +22,13 @@ import logging
 import time
 
 from kvproxy import readable
+from kvproxy.cache.decisions.toolloops import Awaited, ToolLoops
 from kvproxy.cache.events import Count
 from kvproxy.cache.leases import Background
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
-from kvproxy.cache.toolloops import Awaited, ToolLoops
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 

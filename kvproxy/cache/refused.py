@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from kvproxy.cache.policy import RestoreGuard
+from kvproxy.cache.decisions.policy import RestoreGuard
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 

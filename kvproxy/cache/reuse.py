@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.context import CacheContext
-from kvproxy.cache.policy import (
+from kvproxy.cache.decisions.policy import (
     ReuseRule,
     StoredView,
     near_end_candidate,

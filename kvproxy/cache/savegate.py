@@ -15,11 +15,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from kvproxy.cache.moments import ServerNow, may_start
+from kvproxy.cache.decisions.moments import ServerNow, may_start
+from kvproxy.cache.decisions.toolloops import ToolLoops
 from kvproxy.cache.pace import Pace
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.cache.slots import Slot
-from kvproxy.cache.toolloops import ToolLoops
 
 log = logging.getLogger("kvproxy.cache")
 

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from kvproxy.cache.slotchoice import Serves, choose, finishing_best, home_of
+from kvproxy.cache.decisions.slotchoice import Serves, choose, finishing_best, home_of
 from kvproxy.cache.slots import Slot
 from kvproxy.server.api import SlotInfo
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvproxy import keys
-from kvproxy.cache.policy import HeldView
+from kvproxy.cache.decisions.policy import HeldView
 from kvproxy.keys import shared_chain
 from kvproxy.server.api import SlotInfo
 from kvproxy.wire import Conversation

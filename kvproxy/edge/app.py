@@ -15,8 +15,8 @@ import orjson
 from aiohttp import web
 
 from kvproxy import readable
+from kvproxy.cache.decisions.policy import Decision as CacheDecision
 from kvproxy.cache.events import Events
-from kvproxy.cache.policy import Decision as CacheDecision
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
 from kvproxy.edge.guards import admin_refusal, client_refusal, host_refusal

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
+from kvproxy.cache.decisions.toolloops import ToolLoops
 from kvproxy.cache.leases import Lease
 from kvproxy.cache.liveness import Hung
 from kvproxy.cache.loras import sent
@@ -27,7 +28,6 @@ from kvproxy.cache.pace import Pace
 from kvproxy.cache.slotpool import QueueFull
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
-from kvproxy.cache.toolloops import ToolLoops
 from kvproxy.handlers.answers import busy_response
 from kvproxy.handlers.incoming import Incoming
 from kvproxy.handlers.prepare import Preparer

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvproxy.cache.policy import Move, choose
+from kvproxy.cache.decisions.policy import Move, choose
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,16 @@ from dataclasses import replace
 
 from kvproxy import readable
 from kvproxy.cache.context import CacheContext
+from kvproxy.cache.decisions.payoff import RestoreChoice, RestoreCost, choose_restore, tokens_back
+from kvproxy.cache.decisions.policy import Decision, Move, expected_resident
+from kvproxy.cache.decisions.slotchoice import Serves
 from kvproxy.cache.events import Count
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.labels import own_state
 from kvproxy.cache.loras import before_restore
 from kvproxy.cache.openings import Openings
-from kvproxy.cache.payoff import RestoreChoice, RestoreCost, choose_restore, tokens_back
-from kvproxy.cache.policy import Decision, Move, expected_resident
 from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
 from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotchoice import Serves
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.stems import Stems

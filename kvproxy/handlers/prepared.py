@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.decisions.policy import Decision
 from kvproxy.cache.slots import Slot
 from kvproxy.wire import Conversation
 

@@ -15,6 +15,7 @@ import time
 
 from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
+from kvproxy.cache.decisions.toolloops import ToolLoops
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.openings import Openings
 from kvproxy.cache.pace import Pace, PacedEvents
@@ -25,7 +26,6 @@ from kvproxy.cache.slotpool import QueueFull, SlotPool
 from kvproxy.cache.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
-from kvproxy.cache.toolloops import ToolLoops
 from kvproxy.handlers.keyed import Keyed
 from kvproxy.handlers.prepare import Preparer
 from kvproxy.handlers.report import Report

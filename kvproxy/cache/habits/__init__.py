@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from kvproxy.cache.bounds import UNKNOWN_TENANT, NamespaceLRU
+from kvproxy.cache.decisions.bounds import UNKNOWN_TENANT, NamespaceLRU
 from kvproxy.cache.habits.echo import EchoStyles
 from kvproxy.cache.habits.rewrites import Rewrites, rewrite
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvproxy.cache.moments import Moment, ServerNow, may_start
+from kvproxy.cache.decisions.moments import Moment, ServerNow, may_start
 
 # Distinct conversations remembered at most: a client minting a new conversation per request
 # must not grow memory without bound (beyond it the oldest are dropped).
