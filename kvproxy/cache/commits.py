@@ -22,10 +22,10 @@ from pathlib import Path
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import RestoreRule, reuse_rule
 from kvproxy.cache.disktrouble import DiskTrouble
-from kvproxy.cache.events import Count, SlotActionEvent
-from kvproxy.cache.faults import SAVING
 from kvproxy.cache.lineage import Older, superseded
 from kvproxy.cache.pace import PacedEvents
+from kvproxy.cache.reports.events import Count, SlotActionEvent
+from kvproxy.cache.reports.faults import SAVING
 from kvproxy.cache.room import room_for as decide_room
 from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slots import Holding, Slot

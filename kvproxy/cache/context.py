@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from kvproxy import keys
 from kvproxy.cache.backend import Backend
 from kvproxy.cache.decisions.policy import RestoreGuard
-from kvproxy.cache.events import Events
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.leases import Background
+from kvproxy.cache.reports.events import Events
 from kvproxy.config import Settings
 from kvproxy.store import Store
 

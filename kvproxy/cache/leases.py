@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from functools import partial
 from typing import Any, TypeVar
 
-from kvproxy.cache.faults import Faults
+from kvproxy.cache.reports.faults import Faults
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.cache.slots import Slot
 

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvproxy.cache.events import Events, SlotActionEvent
+from kvproxy.cache.reports.events import Events, SlotActionEvent
 
 ASSUMED_WRITE_BYTES_PER_S = 150e6
 # Saves averaged over (the newest): follows a disk that got busier or a page cache that filled.

@@ -23,8 +23,8 @@ import time
 
 from kvproxy import readable
 from kvproxy.cache.decisions.toolloops import Awaited, ToolLoops
-from kvproxy.cache.events import Count
 from kvproxy.cache.leases import Background
+from kvproxy.cache.reports.events import Count
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.cache.slots import Slot

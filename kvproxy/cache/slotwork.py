@@ -20,8 +20,8 @@ from kvproxy.cache.commits import Commits, Written
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import worth_saving
 from kvproxy.cache.disktrouble import DiskTrouble
-from kvproxy.cache.events import Count, SlotActionEvent
 from kvproxy.cache.refused import kept_for_its_layout
+from kvproxy.cache.reports.events import Count, SlotActionEvent
 from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.slots import NOBODY, Holding, Slot
 from kvproxy.http.session import UpstreamError

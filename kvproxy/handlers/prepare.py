@@ -19,11 +19,11 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.payoff import RestoreChoice, RestoreCost, choose_restore, tokens_back
 from kvproxy.cache.decisions.policy import Decision, Move, expected_resident
 from kvproxy.cache.decisions.slotchoice import Serves
-from kvproxy.cache.events import Count
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.labels import own_state
 from kvproxy.cache.loras import before_restore
 from kvproxy.cache.openings import Openings
+from kvproxy.cache.reports.events import Count
+from kvproxy.cache.reports.labels import own_state
 from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slots import Slot

@@ -17,8 +17,8 @@ from kvproxy import keys
 from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import Decision
-from kvproxy.cache.events import RequestEvent
 from kvproxy.cache.leases import Lease
+from kvproxy.cache.reports.events import RequestEvent
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.slotpool import QueueFull
 from kvproxy.cache.slots import Slot

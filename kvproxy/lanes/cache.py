@@ -24,10 +24,10 @@ from aiohttp import web
 from kvproxy.cache.backend import Backend
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import RestoreGuard
-from kvproxy.cache.events import Events
-from kvproxy.cache.faults import Faults
 from kvproxy.cache.habits import Habits
 from kvproxy.cache.leases import Background
+from kvproxy.cache.reports.events import Events
+from kvproxy.cache.reports.faults import Faults
 from kvproxy.cache.slotpool import SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response

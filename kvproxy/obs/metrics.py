@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kvproxy.cache.decisions.policy import Decision
-from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
+from kvproxy.cache.reports.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.obs.gauges import CacheCollector, Gauged
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 
 from kvproxy import readable
-from kvproxy.cache.events import Count, MissExplanation, RequestEvent, SlotActionEvent
-from kvproxy.cache.explain import describe
+from kvproxy.cache.reports.events import Count, MissExplanation, RequestEvent, SlotActionEvent
+from kvproxy.cache.reports.explain import describe
 
 log = logging.getLogger("kvproxy.request")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from kvproxy.cache.events import MissExplanation
+from kvproxy.cache.reports.events import MissExplanation
 from kvproxy.keys import UnkeyableRequest, message_bytes
 from kvproxy.server.modelinfo import ModelInfo
 from kvproxy.store import Store
