@@ -152,13 +152,13 @@ def test_the_fake_server_imports_nothing_of_kvproxy() -> None:
 # Fields that change only through their owner's methods, so what the README says holds: a
 # slot's picture changes in slots.py, a backend's state in backend.py.
 OWNED = {
-    "kvproxy.cache.slots": (
+    "kvproxy.cache.servers.slots": (
         "slot",
         {"holding", "saved", "busy", "last_used", "changed_at", "snapshot", "seen_at"}
         | {"started_at", "occupant", "saving", "claimed", "taken", "pending", "action"}
         | {"serving", "finishing"},
     ),
-    "kvproxy.cache.backend": (
+    "kvproxy.cache.servers.backend": (
         "backend",
         {"enabled", "slot_actions", "doubt", "store_open", "model_identity", "model_info"}
         | {"fingerprint", "identity", "life", "life_started"},

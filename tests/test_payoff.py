@@ -12,8 +12,8 @@ from kvproxy.cache.decisions.payoff import (
     choose_restore,
     tokens_back,
 )
-from kvproxy.cache.pace import Pace
 from kvproxy.cache.reports.events import SlotActionEvent
+from kvproxy.cache.servers.pace import Pace
 
 from .conftest import Maker
 from .test_cache import chat, conv, settle, then

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvproxy.cache.decisions.slotchoice import choose
 from kvproxy.cache.decisions.toolloops import ToolLoops, window_for
-from kvproxy.cache.slots import Holding, Slot
+from kvproxy.cache.servers.slots import Holding, Slot
 
 A = ["sys", "a1", "a-call"]  # a conversation whose last reply is a tool call
 

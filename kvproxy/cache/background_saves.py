@@ -26,10 +26,10 @@ from kvproxy.cache.decisions.pressure import (
     gives_way,
     next_background_save,
 )
-from kvproxy.cache.leases import Background
 from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotpool import SlotPool
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.leases import Background
+from kvproxy.cache.servers.slotpool import SlotPool
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 

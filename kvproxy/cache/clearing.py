@@ -9,7 +9,7 @@ evaluates a prompt of its own there instead (the scrub).
 
 from __future__ import annotations
 
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.api import LlamaClient
 

@@ -23,12 +23,12 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import RestoreRule, reuse_rule
 from kvproxy.cache.disktrouble import DiskTrouble
 from kvproxy.cache.lineage import Older, superseded
-from kvproxy.cache.pace import PacedEvents
 from kvproxy.cache.reports.events import Count, SlotActionEvent
 from kvproxy.cache.reports.faults import SAVING
 from kvproxy.cache.room import room_for as decide_room
 from kvproxy.cache.saving import SavesUnderWay
-from kvproxy.cache.slots import Holding, Slot
+from kvproxy.cache.servers.pace import PacedEvents
+from kvproxy.cache.servers.slots import Holding, Slot
 from kvproxy.store import Entry
 from kvproxy.store.entry import TURN
 from kvproxy.store.files import SIDECAR_SUFFIXES

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kvproxy.cache.backend import Backend
+from kvproxy.cache.servers.backend import Backend
 from kvproxy.server.savepath import saves_elsewhere
 
 log = logging.getLogger("kvproxy.cache")

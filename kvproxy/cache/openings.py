@@ -43,8 +43,8 @@ from kvproxy.cache.decisions.policy import resident_serves
 from kvproxy.cache.habits import worth_comparing
 from kvproxy.cache.reuse import Reuse
 from kvproxy.cache.saving import SavesUnderWay
-from kvproxy.cache.slotpool import SlotPool
-from kvproxy.cache.slots import Holding, Slot
+from kvproxy.cache.servers.slotpool import SlotPool
+from kvproxy.cache.servers.slots import Holding, Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry

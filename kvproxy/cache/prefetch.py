@@ -23,11 +23,11 @@ import time
 
 from kvproxy import readable
 from kvproxy.cache.decisions.toolloops import Awaited, ToolLoops
-from kvproxy.cache.leases import Background
 from kvproxy.cache.reports.events import Count
 from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotpool import SlotPool
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.leases import Background
+from kvproxy.cache.servers.slotpool import SlotPool
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry

@@ -20,7 +20,7 @@ from kvproxy.cache.decisions.policy import (
     reuse_rule,
     window_serves,
 )
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
 from kvproxy.http.session import UpstreamError

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Iterator
 
 from kvproxy.cache.decisions.moments import ServerNow, may_start
 from kvproxy.cache.decisions.toolloops import ToolLoops
-from kvproxy.cache.pace import Pace
-from kvproxy.cache.slotpool import SlotPool
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.pace import Pace
+from kvproxy.cache.servers.slotpool import SlotPool
+from kvproxy.cache.servers.slots import Slot
 
 log = logging.getLogger("kvproxy.cache")
 

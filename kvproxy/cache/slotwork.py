@@ -23,7 +23,7 @@ from kvproxy.cache.disktrouble import DiskTrouble
 from kvproxy.cache.refused import kept_for_its_layout
 from kvproxy.cache.reports.events import Count, SlotActionEvent
 from kvproxy.cache.saving import SavesUnderWay
-from kvproxy.cache.slots import NOBODY, Holding, Slot
+from kvproxy.cache.servers.slots import NOBODY, Holding, Slot
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.api import Restored
 from kvproxy.store import Entry

@@ -31,7 +31,7 @@ from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.canonical.tokensplit import tokenize_all
 from kvproxy.cache.context import CacheContext
-from kvproxy.cache.slots import Holding, Slot
+from kvproxy.cache.servers.slots import Holding, Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry

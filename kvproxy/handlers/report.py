@@ -19,7 +19,7 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
 from kvproxy.cache.reports.events import Count, RequestEvent
 from kvproxy.cache.reports.explain import explain_against, wasted_hint, why_weak
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.stems import Stems
 from kvproxy.handlers.prepared import Prepared
 from kvproxy.wire import Conversation

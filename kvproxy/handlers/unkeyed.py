@@ -14,14 +14,14 @@ import orjson
 from aiohttp import web
 
 from kvproxy import keys
-from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import Decision
-from kvproxy.cache.leases import Lease
 from kvproxy.cache.reports.events import RequestEvent
 from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotpool import QueueFull
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.backend import REFUSED_STATUSES
+from kvproxy.cache.servers.leases import Lease
+from kvproxy.cache.servers.slotpool import QueueFull
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.handlers.answers import busy_response, unreachable_response
 from kvproxy.http.relay import RelayResult, relay

@@ -21,14 +21,14 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.backend import Backend
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import RestoreGuard
 from kvproxy.cache.habits import Habits
-from kvproxy.cache.leases import Background
 from kvproxy.cache.reports.events import Events
 from kvproxy.cache.reports.faults import Faults
-from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.servers.backend import Backend
+from kvproxy.cache.servers.leases import Background
+from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
 from kvproxy.http.session import Upstream, UpstreamError

@@ -1,10 +1,10 @@
 """One lane: one llama-server kvproxy sends work to, with every part that works on its slots.
 
-A lane is a backend (cache/backend.py: the server's client, slot pool and model identity) and
-the parts built on it: slot work, background saves, openings, the keyed driver and the
-unkeyed paths. Every lane shares the cache's store, habits, restore guard, events and
-background work (the context's other fields), so a conversation saved through one lane is
-found by any lane whose model identity (and so namespace) is the same.
+A lane is a backend (cache/servers/backend.py: the server's client, slot pool and model identity)
+and the parts built on it: slot work, background saves, openings, the keyed driver and the unkeyed
+paths. Every lane shares the cache's store, habits, restore guard, events and background work (the
+context's other fields), so a conversation saved through one lane is found by any lane whose model
+identity (and so namespace) is the same.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.toolloops import ToolLoops
 from kvproxy.cache.habits.learning import HabitLearning
 from kvproxy.cache.openings import Openings
-from kvproxy.cache.pace import Pace, PacedEvents
 from kvproxy.cache.prefetch import Prefetcher
 from kvproxy.cache.reuse import Reuse
 from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotpool import QueueFull, SlotPool
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.pace import Pace, PacedEvents
+from kvproxy.cache.servers.slotpool import QueueFull, SlotPool
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
 from kvproxy.handlers.keyed import Keyed

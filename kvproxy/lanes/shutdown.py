@@ -15,7 +15,7 @@ import time
 
 from kvproxy import readable
 from kvproxy.cache.decisions.shutdownplan import Candidate, plan_shutdown
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.lanes.lane import Lane
 from kvproxy.lanes.stats import unsaved
 

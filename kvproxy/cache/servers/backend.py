@@ -15,9 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from kvproxy import keys
-from kvproxy.cache.liveness import Liveness, no_answer
-from kvproxy.cache.loras import NamespaceLoras
-from kvproxy.cache.slotpool import QueueFull, SlotPool
+from kvproxy.cache.servers.liveness import Liveness, no_answer
+from kvproxy.cache.servers.loras import NamespaceLoras
+from kvproxy.cache.servers.slotpool import QueueFull, SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server import localproc, probe

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvproxy.cache.decisions.slotchoice import Serves, choose, finishing_best, home_of
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.server.api import SlotInfo
 
 

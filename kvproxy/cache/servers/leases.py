@@ -13,8 +13,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvproxy.cache.reports.faults import Faults
-from kvproxy.cache.slotpool import SlotPool
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.slotpool import SlotPool
+from kvproxy.cache.servers.slots import Slot
 
 _T = TypeVar("_T")
 

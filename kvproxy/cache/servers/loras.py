@@ -22,7 +22,7 @@ from typing import Any
 
 from kvproxy import keys
 from kvproxy.cache.decisions.policy import Decision
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.server.api import LlamaClient
 from kvproxy.wire import Conversation, with_lora
 
