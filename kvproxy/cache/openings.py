@@ -40,9 +40,9 @@ from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.bounds import NamespaceLRU
 from kvproxy.cache.decisions.policy import resident_serves
+from kvproxy.cache.disk.saving import SavesUnderWay
 from kvproxy.cache.habits import worth_comparing
 from kvproxy.cache.reuse import Reuse
-from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.cache.servers.slots import Holding, Slot
 from kvproxy.cache.slotwork import SlotWork

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.clearing import clear_slot
-from kvproxy.cache.commits import Commits, Written
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import worth_saving
-from kvproxy.cache.disktrouble import DiskTrouble
-from kvproxy.cache.refused import kept_for_its_layout
+from kvproxy.cache.disk.commits import Commits, Written
+from kvproxy.cache.disk.disktrouble import DiskTrouble
+from kvproxy.cache.disk.refused import kept_for_its_layout
+from kvproxy.cache.disk.saving import SavesUnderWay
 from kvproxy.cache.reports.events import Count, SlotActionEvent
-from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.servers.slots import NOBODY, Holding, Slot
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.api import Restored

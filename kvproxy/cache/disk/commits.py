@@ -21,12 +21,12 @@ from pathlib import Path
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import RestoreRule, reuse_rule
-from kvproxy.cache.disktrouble import DiskTrouble
-from kvproxy.cache.lineage import Older, superseded
+from kvproxy.cache.disk.disktrouble import DiskTrouble
+from kvproxy.cache.disk.lineage import Older, superseded
+from kvproxy.cache.disk.room import room_for as decide_room
+from kvproxy.cache.disk.saving import SavesUnderWay
 from kvproxy.cache.reports.events import Count, SlotActionEvent
 from kvproxy.cache.reports.faults import SAVING
-from kvproxy.cache.room import room_for as decide_room
-from kvproxy.cache.saving import SavesUnderWay
 from kvproxy.cache.servers.pace import PacedEvents
 from kvproxy.cache.servers.slots import Holding, Slot
 from kvproxy.store import Entry
