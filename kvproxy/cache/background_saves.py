@@ -30,7 +30,7 @@ from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.servers.leases import Background
 from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 
 log = logging.getLogger("kvproxy.cache")

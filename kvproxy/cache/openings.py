@@ -45,7 +45,7 @@ from kvproxy.cache.habits import worth_comparing
 from kvproxy.cache.reuse import Reuse
 from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.cache.servers.slots import Holding, Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 from kvproxy.wire import Conversation

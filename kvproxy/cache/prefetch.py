@@ -28,7 +28,7 @@ from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.servers.leases import Background
 from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 

@@ -21,7 +21,7 @@ from kvproxy.cache.decisions.policy import (
     window_serves,
 )
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry

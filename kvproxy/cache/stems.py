@@ -32,7 +32,7 @@ from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.canonical.tokensplit import tokenize_all
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.servers.slots import Holding, Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 from kvproxy.wire import Conversation

@@ -27,7 +27,7 @@ from kvproxy.cache.servers.loras import sent
 from kvproxy.cache.servers.pace import Pace
 from kvproxy.cache.servers.slotpool import QueueFull
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.handlers.answers import busy_response
 from kvproxy.handlers.incoming import Incoming
 from kvproxy.handlers.prepare import Preparer

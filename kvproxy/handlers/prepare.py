@@ -27,7 +27,7 @@ from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.servers.loras import before_restore
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
 from kvproxy.handlers.plan import Facts, Plan, decide
 from kvproxy.handlers.prepared import MISS, Prepared, next_turn_of

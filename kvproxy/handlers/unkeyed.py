@@ -22,7 +22,7 @@ from kvproxy.cache.servers.backend import REFUSED_STATUSES
 from kvproxy.cache.servers.leases import Lease
 from kvproxy.cache.servers.slotpool import QueueFull
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.handlers.answers import busy_response, unreachable_response
 from kvproxy.http.relay import RelayResult, relay
 from kvproxy.http.session import UpstreamError

@@ -24,7 +24,7 @@ from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.servers.pace import Pace, PacedEvents
 from kvproxy.cache.servers.slotpool import QueueFull, SlotPool
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.cache.stems import Stems
 from kvproxy.handlers.keyed import Keyed
 from kvproxy.handlers.prepare import Preparer

@@ -59,7 +59,9 @@ class RequestLog:
             )
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
-        del event  # saves and restores are logged where they happen (kvproxy/cache/slotwork.py)
+        del (
+            event
+        )  # saves and restores are logged where they happen (kvproxy/cache/slotio/slotwork.py)
 
     def on_count(self, what: Count, n: int) -> None:
         del what, n

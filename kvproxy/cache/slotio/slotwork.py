@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
-from kvproxy.cache.clearing import clear_slot
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import worth_saving
 from kvproxy.cache.disk.commits import Commits, Written
@@ -24,6 +23,7 @@ from kvproxy.cache.disk.refused import kept_for_its_layout
 from kvproxy.cache.disk.saving import SavesUnderWay
 from kvproxy.cache.reports.events import Count, SlotActionEvent
 from kvproxy.cache.servers.slots import NOBODY, Holding, Slot
+from kvproxy.cache.slotio.clearing import clear_slot
 from kvproxy.http.session import UpstreamError
 from kvproxy.server.api import Restored
 from kvproxy.store import Entry
