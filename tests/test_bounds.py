@@ -133,7 +133,7 @@ async def test_a_restarted_proxy_trims_an_over_limit_habits_file_and_writes_it_b
 
 
 def test_openings_are_bounded_per_tenant() -> None:
-    from kvproxy.cache.openings import Openings
+    from kvproxy.cache.prefixes.openings import Openings
 
     openings = Openings.__new__(Openings)
     openings._seen = {}

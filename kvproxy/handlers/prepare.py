@@ -20,15 +20,15 @@ from kvproxy.cache.decisions.payoff import RestoreChoice, RestoreCost, choose_re
 from kvproxy.cache.decisions.policy import Decision, Move, expected_resident
 from kvproxy.cache.decisions.slotchoice import Serves
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.openings import Openings
+from kvproxy.cache.prefixes.openings import Openings
+from kvproxy.cache.prefixes.reuse import NOTHING_FOUND, Found, Reuse
+from kvproxy.cache.prefixes.stems import Stems
 from kvproxy.cache.reports.events import Count
 from kvproxy.cache.reports.labels import own_state
-from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.servers.loras import before_restore
 from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotio.slotwork import SlotWork
-from kvproxy.cache.stems import Stems
 from kvproxy.handlers.plan import Facts, Plan, decide
 from kvproxy.handlers.prepared import MISS, Prepared, next_turn_of
 from kvproxy.http.session import UpstreamError

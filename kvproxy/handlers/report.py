@@ -17,10 +17,10 @@ from typing import Any
 
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
+from kvproxy.cache.prefixes.stems import Stems
 from kvproxy.cache.reports.events import Count, RequestEvent
 from kvproxy.cache.reports.explain import explain_against, wasted_hint, why_weak
 from kvproxy.cache.servers.slots import Slot
-from kvproxy.cache.stems import Stems
 from kvproxy.handlers.prepared import Prepared
 from kvproxy.wire import Conversation
 from kvproxy.wire.capture import Reply

@@ -17,15 +17,15 @@ from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.toolloops import ToolLoops
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.openings import Openings
 from kvproxy.cache.prefetch import Prefetcher
-from kvproxy.cache.reuse import Reuse
+from kvproxy.cache.prefixes.openings import Openings
+from kvproxy.cache.prefixes.reuse import Reuse
+from kvproxy.cache.prefixes.stems import Stems
 from kvproxy.cache.savegate import SaveGate
 from kvproxy.cache.servers.pace import Pace, PacedEvents
 from kvproxy.cache.servers.slotpool import QueueFull, SlotPool
 from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotio.slotwork import SlotWork
-from kvproxy.cache.stems import Stems
 from kvproxy.handlers.keyed import Keyed
 from kvproxy.handlers.prepare import Preparer
 from kvproxy.handlers.report import Report

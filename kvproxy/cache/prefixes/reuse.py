@@ -20,9 +20,9 @@ from kvproxy.cache.decisions.policy import (
     reuse_rule,
     window_serves,
 )
+from kvproxy.cache.prefixes.stems import Stems
 from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotio.slotwork import SlotWork
-from kvproxy.cache.stems import Stems
 from kvproxy.http.session import UpstreamError
 from kvproxy.store import Entry
 from kvproxy.wire import Conversation

@@ -42,7 +42,7 @@ from kvproxy.cache.decisions.bounds import NamespaceLRU
 from kvproxy.cache.decisions.policy import resident_serves
 from kvproxy.cache.disk.saving import SavesUnderWay
 from kvproxy.cache.habits import worth_comparing
-from kvproxy.cache.reuse import Reuse
+from kvproxy.cache.prefixes.reuse import Reuse
 from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.cache.servers.slots import Holding, Slot
 from kvproxy.cache.slotio.slotwork import SlotWork
