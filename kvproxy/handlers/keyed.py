@@ -18,9 +18,9 @@ import time
 
 from aiohttp import web
 
-from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.toolloops import ToolLoops
+from kvproxy.cache.scheduling.background_saves import Warmer
 from kvproxy.cache.servers.leases import Lease
 from kvproxy.cache.servers.liveness import Hung
 from kvproxy.cache.servers.loras import sent

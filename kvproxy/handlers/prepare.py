@@ -25,7 +25,7 @@ from kvproxy.cache.prefixes.reuse import NOTHING_FOUND, Found, Reuse
 from kvproxy.cache.prefixes.stems import Stems
 from kvproxy.cache.reports.events import Count
 from kvproxy.cache.reports.labels import own_state
-from kvproxy.cache.savegate import SaveGate
+from kvproxy.cache.scheduling.savegate import SaveGate
 from kvproxy.cache.servers.loras import before_restore
 from kvproxy.cache.servers.slots import Slot
 from kvproxy.cache.slotio.slotwork import SlotWork

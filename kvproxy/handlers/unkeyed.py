@@ -17,7 +17,7 @@ from kvproxy import keys
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import Decision
 from kvproxy.cache.reports.events import RequestEvent
-from kvproxy.cache.savegate import SaveGate
+from kvproxy.cache.scheduling.savegate import SaveGate
 from kvproxy.cache.servers.backend import REFUSED_STATUSES
 from kvproxy.cache.servers.leases import Lease
 from kvproxy.cache.servers.slotpool import QueueFull

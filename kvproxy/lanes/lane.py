@@ -13,15 +13,15 @@ import contextlib
 import dataclasses
 import time
 
-from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.toolloops import ToolLoops
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.prefetch import Prefetcher
 from kvproxy.cache.prefixes.openings import Openings
 from kvproxy.cache.prefixes.reuse import Reuse
 from kvproxy.cache.prefixes.stems import Stems
-from kvproxy.cache.savegate import SaveGate
+from kvproxy.cache.scheduling.background_saves import Warmer
+from kvproxy.cache.scheduling.prefetch import Prefetcher
+from kvproxy.cache.scheduling.savegate import SaveGate
 from kvproxy.cache.servers.pace import Pace, PacedEvents
 from kvproxy.cache.servers.slotpool import QueueFull, SlotPool
 from kvproxy.cache.servers.slots import Slot

@@ -24,7 +24,7 @@ import time
 from kvproxy import readable
 from kvproxy.cache.decisions.toolloops import Awaited, ToolLoops
 from kvproxy.cache.reports.events import Count
-from kvproxy.cache.savegate import SaveGate
+from kvproxy.cache.scheduling.savegate import SaveGate
 from kvproxy.cache.servers.leases import Background
 from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.cache.servers.slots import Slot

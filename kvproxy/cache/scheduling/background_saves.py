@@ -26,7 +26,7 @@ from kvproxy.cache.decisions.pressure import (
     gives_way,
     next_background_save,
 )
-from kvproxy.cache.savegate import SaveGate
+from kvproxy.cache.scheduling.savegate import SaveGate
 from kvproxy.cache.servers.leases import Background
 from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.cache.servers.slots import Slot
