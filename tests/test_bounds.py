@@ -1,4 +1,4 @@
-"""Bounds on what one client can make kvproxy keep per namespace (bounds.py): habits and
+"""Bounds on what one client can make kvproxy keep per namespace (cache/decisions/bounds.py): habits and
 openings are LRUs per tenant and in total, habits.json stays under its read limit, and one
 that is over it is trimmed to the most recently used entries, never discarded whole."""
 

@@ -1,6 +1,6 @@
-"""One conversation, one state on disk: the rule on plain data (lineage.py), and the store
+"""One conversation, one state on disk: the rule on plain data (cache/disk/lineage.py), and the store
 removing what it names once the newer state is committed; room under --max-disk before a
-save (room.py)."""
+save (cache/disk/room.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Restore only when it pays (cache/decisions/payoff.py): the rule on plain data, the read rate a
-server's restores measure (pace.py), and the proxy prefilling when told its disk is slow."""
+server's restores measure (cache/servers/pace.py), and the proxy prefilling when told its disk is slow."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The cache's decisions on plain data (policy.py): no server, no HTTP."""
+"""The cache's decisions on plain data (cache/decisions/policy.py): no server, no HTTP."""
 
 from __future__ import annotations
 

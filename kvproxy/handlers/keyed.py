@@ -209,7 +209,8 @@ class Keyed:
                 slot.replied(conv, adapter.echoed(reply), timings)
                 self.pace.replied(timings)
                 if reply.finish_reason == "tool_calls" and slot.holding is not None:
-                    # Its client runs the tool and comes back within seconds (toolloops.py).
+                    # Its client runs the tool and comes back within seconds
+                    # (cache/decisions/toolloops.py).
                     held = slot.holding
                     self.tool_loops.replied(held.namespace, held.chain, time.monotonic())
             else:

@@ -145,7 +145,7 @@ class Report:
         event.miss = await explain_against(conv.namespace, conv.messages, candidates, self.store)
         if event.miss is not None:
             # Inside a long system message, what follows changes between sessions: a stem
-            # ends before it (stems.py).
+            # ends before it (cache/prefixes/stems.py).
             self.stems.cuts.learn(
                 conv.namespace, conv.messages, event.miss.message_index, event.miss.char_offset
             )

@@ -130,8 +130,8 @@ class Unkeyed:
         """Before a request the cache does not key uses the slot: keep what would be lost
         (`gated`: in a moment when it pauses no other slot's stream; a request holding every
         slot pauses none). `commit_later`: the request waits for the server's write only
-        (slotwork.py); one holding every slot (a model unloaded, embeddings) waits for the
-        commits too, so what it unloads is in the index when it answers."""
+        (cache/slotio/slotwork.py); one holding every slot (a model unloaded, embeddings) waits
+        for the commits too, so what it unloads is in the index when it answers."""
         try:
             await self.work.verify(slot)
             if gated and self.work.worth_saving(slot):

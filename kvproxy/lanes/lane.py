@@ -37,7 +37,7 @@ class Lane:
     def __init__(self, ctx: CacheContext, name: str) -> None:
         self.name = name  # how logs, metrics and stats name the server (its address)
         backend = ctx.backend
-        # What this server's saves, restores and replies show of its speed (pace.py).
+        # What this server's saves, restores and replies show of its speed (cache/servers/pace.py).
         self.pace = Pace(lambda: backend.model_info.kv_bytes_per_token if backend.model_info else 0)
         ctx = dataclasses.replace(ctx, events=PacedEvents.of(ctx.events, self.pace))
         self.ctx = ctx

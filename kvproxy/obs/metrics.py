@@ -162,7 +162,7 @@ class Metrics:
             Count.PREFETCH: Counter(
                 "kvproxy_prefetches",
                 "Conversations waiting for a tool's result restored into a freed slot before "
-                "their request came (prefetch.py).",
+                "their request came (cache/scheduling/prefetch.py).",
                 registry=r,
             ),
             Count.SUPERSEDED: Counter(

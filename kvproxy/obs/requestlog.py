@@ -59,9 +59,8 @@ class RequestLog:
             )
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
-        del (
-            event
-        )  # saves and restores are logged where they happen (kvproxy/cache/slotio/slotwork.py)
+        # Saves and restores are logged where they happen (kvproxy/cache/slotio/slotwork.py).
+        del event
 
     def on_count(self, what: Count, n: int) -> None:
         del what, n

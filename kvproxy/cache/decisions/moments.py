@@ -1,5 +1,6 @@
 """When a save may start on a server: in a moment when it pauses nobody — decisions on plain
-data (no I/O, no clock; savegate.py, background_saves.py and prefetch.py wait for them).
+data (no I/O, no clock; cache/scheduling/savegate.py, cache/scheduling/background_saves.py and
+cache/scheduling/prefetch.py wait for them).
 
 llama-server runs a slot save on the one loop every slot shares: while a state is written
 (0.6 s at 2k tokens of an 8B model's KV, ~5 s at 16k on a slow disk) every other slot's token
@@ -10,8 +11,8 @@ and goes in the same moment. So:
 - **One save at a time** on a server.
 - A save is **small** when it is expected to take no longer than one token of the server's
   generation (its bytes over the write speed measured on this server, and the median gap
-  between generated tokens of its recent replies: pace.py): it pauses a stream by at most
-  about one token, and goes at any time.
+  between generated tokens of its recent replies: cache/servers/pace.py): it pauses a stream by
+  at most about one token, and goes at any time.
 - A **big** save goes in an **idle moment**: no other slot of the server generating,
   prefilling or restoring.
 - A save a request **needs** (the slot's content would otherwise be lost) waits for such a

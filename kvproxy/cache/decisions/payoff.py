@@ -2,12 +2,12 @@
 prefilling what it gives back.
 
 A restore reads the whole state file (its bytes over this server's measured read rate: the
-bytes of its recent restores over their time, pace.py); what it gives back is the tokens the
-request shares with it, which the server would otherwise prefill (at its measured cold-prefill
-rate: prefillrate.py). Either way the request's own new tokens are prefilled after, so they
-weigh on neither side. A short shared prefix inside a huge state (a new session sharing only
-its system prompt with a long conversation), or a slow or network disk, can make the read the
-dearer one; then the request is prefilled instead and the state is left on disk.
+bytes of its recent restores over their time, cache/servers/pace.py); what it gives back is the
+tokens the request shares with it, which the server would otherwise prefill (at its measured
+cold-prefill rate: prefillrate.py). Either way the request's own new tokens are prefilled after,
+so they weigh on neither side. A short shared prefix inside a huge state (a new session sharing
+only its system prompt with a long conversation), or a slow or network disk, can make the read
+the dearer one; then the request is prefilled instead and the state is left on disk.
 
 The rule errs toward restoring, kvproxy's behaviour before it measured anything: with no
 measured rate it restores; it prefills only when the prefill is estimated at under half the

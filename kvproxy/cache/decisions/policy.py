@@ -4,7 +4,7 @@ For each keyed request: use what the slot holds, restore a longer prefix from di
 cold (`choose`); whether what a slot holds is worth a save before it is lost
 (`worth_saving`); whether a restore was reused by the server (`judge_restore`), and when
 restoring stops paying for a namespace (`RestoreGuard`). The plan (plan.py) and
-prepare.py ask; slotwork.py does the I/O.
+prepare.py ask; cache/slotio/slotwork.py does the I/O.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ INEFFECTIVE_LIMIT = 3
 class Decision(StrEnum):
     """What the cache did for a request: its X-KVProxy-Cache header and metrics label."""
 
-    RESIDENT = "resident"  # the slot held this request's own earlier state (labels.py)
+    RESIDENT = "resident"  # the slot held its own earlier state (cache/reports/labels.py)
     RESTORED = "restored"  # the state came back from disk
     MISS = "miss"  # nothing of its own was cached (a shared opening may be: cache_n)
     BYPASS = "bypass"  # not keyed (no messages, n > 1, other routes)
@@ -227,14 +227,14 @@ Scope = tuple[str, str, bool]  # (server life, namespace, entry saved before tha
 @dataclass
 class RestoreGuard:
     """What restores the server did not reuse prove, and only that. Proofs hold for one
-    start of one server (`life`: backend.py names each), whose settings may differ from the
-    ones an entry was saved under in ways no fingerprint shows (a template given some way
-    kvproxy cannot read). An entry restored and not reused, or refused, is set aside for that
-    life (`set_aside`), never deleted. `limit` such restores in a row of one namespace's
-    entries saved before the life began stop restores of its older entries (they were
-    computed some other way); of entries saved during it, they stop its restores and saves
-    altogether (this server reuses no restored state: a sliding-window model without
-    --swa-full). New conversations are saved and restored as before in the first case."""
+    start of one server (`life`: cache/servers/backend.py names each), whose settings may differ
+    from the ones an entry was saved under in ways no fingerprint shows (a template given some
+    way kvproxy cannot read). An entry restored and not reused, or refused, is set aside for
+    that life (`set_aside`), never deleted. `limit` such restores in a row of one namespace's
+    entries saved before the life began stop restores of its older entries (they were computed
+    some other way); of entries saved during it, they stop its restores and saves altogether
+    (this server reuses no restored state: a sliding-window model without --swa-full). New
+    conversations are saved and restored as before in the first case."""
 
     limit: int = INEFFECTIVE_LIMIT
     _streak: dict[Scope, int] = field(default_factory=dict)

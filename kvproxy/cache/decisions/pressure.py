@@ -73,7 +73,7 @@ class IdleView:
     idle_for: float  # seconds since a request last used it
     serving: bool = False  # busy with a request (its prefill, stream, restore), not a save
     awaited: bool = False  # its conversation waits for a tool's result (toolloops.py)
-    save_s: float | None = None  # what its save will take (pace.py; None: not known)
+    save_s: float | None = None  # what its save will take (cache/servers/pace.py; None: not known)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class ServerView:
     waiting: int = 0  # requests queued for a slot
     saving: bool = False  # a save under way on it (a request's, or a prefetch)
     tool_wait: float = 0.0  # seconds a tool call's result may still come in
-    token_gap_s: float | None = None  # a generated token's time (pace.py)
+    token_gap_s: float | None = None  # a generated token's time (cache/servers/pace.py)
 
 
 @dataclass(frozen=True)

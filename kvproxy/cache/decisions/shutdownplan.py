@@ -4,12 +4,12 @@ runs it).
 At SIGTERM kvproxy has the rest of `--shutdown-timeout` (systemd's patience) to save what
 would be lost; at an 8B model's 128 KiB a token, four 8k-token slots are 4 GiB, seconds to
 tens of seconds of disk. Most of it is saved before: an idle slot's state is checkpointed
-`--idle-save-after` after its last use (background_saves.py). What is left is planned rather
-than tried until the deadline cuts a save off (the server keeps writing a save kvproxy stopped
-waiting for, and the index never learns of it):
+`--idle-save-after` after its last use (cache/scheduling/background_saves.py). What is left is
+planned rather than tried until the deadline cuts a save off (the server keeps writing a save
+kvproxy stopped waiting for, and the index never learns of it):
 
 - each slot's save takes its state's bytes over the write speed measured on its server
-  (pace.py; before any save there an assumed 150 MB/s);
+  (cache/servers/pace.py; before any save there an assumed 150 MB/s);
 - the most valuable first: most tokens per second of save (the prefill a save spares, for the
   disk time it takes), then the most recently used;
 - a save that does not fit in the time left is not started, and one after it that fits still

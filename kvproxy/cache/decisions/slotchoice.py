@@ -19,7 +19,8 @@ class Held(Protocol):
 
 
 class Slot(Protocol):
-    """What the choice reads of a slot (slots.py's Slot), and nothing it could change."""
+    """What the choice reads of a slot (cache/servers/slots.py's Slot), and nothing it could
+    change."""
 
     @property
     def holding(self) -> Held | None: ...
@@ -128,7 +129,8 @@ def home_of(slots: Sequence[S], keys: list[str], namespace: str) -> S | None:
             and slot.serving is not None
             and shared_chain(slot.serving, keys) == len(slot.serving) > best_depth
         ):
-            # Taken to restore this conversation before it comes back (prefetch.py).
+            # Taken to restore this conversation before it comes back
+            # (cache/scheduling/prefetch.py).
             best, best_depth = slot, len(slot.serving)
             continue
         if depth <= best_depth or slot.holding is None:

@@ -6,9 +6,10 @@ An agent's loop is mostly such turns. What its slot holds is worth more than any
 slot's for those seconds: a newcomer takes another slot (slotchoice.py), even one whose state
 must be saved first; no optional save starts on the server meanwhile (moments.py: the result's
 request would wait for the write); and when the conversation had to leave its slot after all,
-its state is restored into the next slot that frees before the result comes (prefetch.py).
-A conversation stops waiting when a request carrying its reply comes, or after `window`
-seconds (a long-running tool, a person approving the call): it is then like any other.
+its state is restored into the next slot that frees before the result comes
+(cache/scheduling/prefetch.py). A conversation stops waiting when a request carrying its reply
+comes, or after `window` seconds (a long-running tool, a person approving the call): it is then
+like any other.
 """
 
 from __future__ import annotations

@@ -184,7 +184,8 @@ class Commits:
 
     async def failed(self, started: float, temp: str, fault: Exception | None = None) -> None:
         """A save that ends in nothing committed: counted, its temp file removed."""
-        if fault is not None:  # the server or the disk refused it (a full disk): faults.py
+        # The server or the disk refused it (a full disk): cache/reports/faults.py.
+        if fault is not None:
             self.background.faults.failed(SAVING, fault)
         seconds = time.perf_counter() - started
         self.events.slot_action(SlotActionEvent("save", False, seconds=seconds))
@@ -193,8 +194,8 @@ class Commits:
     # --- the budget
 
     def estimate(self, n_tokens: int) -> int | None:
-        """A state of `n_tokens` tokens in bytes (pace.py: this server's last save or restore,
-        else the model's KV geometry); None when not known."""
+        """A state of `n_tokens` tokens in bytes (cache/servers/pace.py: this server's last save
+        or restore, else the model's KV geometry); None when not known."""
         if self.pace is None or not 0 < n_tokens < UNKNOWN_TOKENS:
             return None
         return self.pace.state_bytes(n_tokens)

@@ -3,8 +3,8 @@ state makes redundant. Plain data, no I/O (the store removes them: Store.superse
 
 Every turn's save is a whole state: kept all, a conversation of five turns is five files, at
 128 KiB a token gigabytes a turn. Which of the older ones a newer one (its chain extends
-theirs) can stand for depends on what the server reuses of a restored state (policy.py's
-rules, from DESIGN.md's measurements):
+theirs) can stand for depends on what the server reuses of a restored state
+(cache/decisions/policy.py's rules, from DESIGN.md's measurements):
 
 - "prefix" (dense, full attention): a restored state serves any prefix of itself, so the
   newest serves every branch an older one would: only the newest is kept.

@@ -4,8 +4,8 @@ Another request took a conversation's slot and saves the conversation's state fi
 conversation's own next turn, on another slot, must find that state on disk, not an older
 one (or only its opening): it waits for the save before it looks. A save whose commit goes
 on in the background (the request that vacated the slot waited only for the server's write,
-slotwork.py) stays under way until that commit ends: the state is in the index only then,
-so a returning turn that restores it waits for the commit, never restores a file whose
+cache/slotio/slotwork.py) stays under way until that commit ends: the state is in the index only
+then, so a returning turn that restores it waits for the commit, never restores a file whose
 checksum is not yet known or that a crash could still take back.
 
 Openings being made are kept the same way, apart (`Openings.making`): sessions of one agent

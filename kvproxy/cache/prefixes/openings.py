@@ -67,7 +67,8 @@ class Openings:
         self.settings = ctx.settings
         self.work = work
         self._seen: dict[str, dict[str, int]] = {}  # namespace -> {opening key: depth}
-        self.kept = NamespaceLRU()  # which namespaces' openings are remembered (bounds.py)
+        # Which namespaces' openings are remembered (cache/decisions/bounds.py).
+        self.kept = NamespaceLRU()
         self._failed: dict[str, None] = {}  # opening keys that could not be made (bounded)
         self.reuse = reuse  # what the server reuses of a slot or a stored state
         self.making = SavesUnderWay()  # openings a request is evaluating now, by key

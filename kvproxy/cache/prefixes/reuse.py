@@ -1,7 +1,8 @@
 """What the server will reuse for a request: of what a slot holds, and of each stored state
-(by the model class's rule, policy.py), so a request goes to the slot and restores the entry
-that serve it most, not merely the longest key match. One lookup of the store per request
-(`find`), which also finds the stem of its system message (stems.py) when nothing else serves.
+(by the model class's rule, cache/decisions/policy.py), so a request goes to the slot and
+restores the entry that serve it most, not merely the longest key match. One lookup of the store
+per request (`find`), which also finds the stem of its system message (stems.py) when nothing
+else serves.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ class Count(StrEnum):
     SLOT_RESET = "slot_reset"  # a slot found changed behind kvproxy's back
     WASTED_RESTORE = "wasted_restore"  # a restore the server did not reuse
     PREFETCH = "prefetch"  # a conversation waiting for a tool's result restored ahead of it
-    # A stored state not restored: prefilling what it gives back was measured cheaper (payoff.py)
+    # A stored state not restored: prefilling what it gives back was measured cheaper
+    # (cache/decisions/payoff.py)
     PREFILL_OVER_RESTORE = "prefill_over_restore"
 
 
@@ -85,7 +86,7 @@ class SlotActionEvent:
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    background: bool = False  # a save no request waited for (background_saves.py)
+    background: bool = False  # a save no request waited for (cache/scheduling/background_saves.py)
 
 
 class Listener(Protocol):

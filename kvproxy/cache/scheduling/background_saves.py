@@ -1,14 +1,14 @@
 """Background saves: idle slots saved before a request needs them (the policy and why are in
-pressure.py), and the idle save after `idle_save_after`.
+cache/decisions/pressure.py), and the idle save after `idle_save_after`.
 
 Runs on the event loop, one save at a time, started whenever a slot becomes idle, a new
 conversation is seen, or housekeeping ticks. A save takes its slot from the pool like a
 request does (so nothing else touches the slot meanwhile), but never while a request waits
 for a slot, and gives it back without making it look recently used. It starts only in a
-moment when it pauses nobody (pressure.py, moments.py: no other slot at work, no request
-waiting, no tool result due, no other save under way on the server; savegate.py marks it
-under way), and a save under way stops before its next step when that moment ends; a timer
-looks again when a held-back save may go.
+moment when it pauses nobody (cache/decisions/pressure.py, cache/decisions/moments.py: no other
+slot at work, no request waiting, no tool result due, no other save under way on the server;
+savegate.py marks it under way), and a save under way stops before its next step when that
+moment ends; a timer looks again when a held-back save may go.
 """
 
 from __future__ import annotations

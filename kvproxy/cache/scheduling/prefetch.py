@@ -1,5 +1,5 @@
-"""Prefetches: a conversation waiting for a tool's result (toolloops.py) that had to leave its
-slot is restored into the next slot that frees, before its request comes.
+"""Prefetches: a conversation waiting for a tool's result (cache/decisions/toolloops.py) that
+had to leave its slot is restored into the next slot that frees, before its request comes.
 
 Background work like the saves of background_saves.py: a prefetch takes an idle slot from the
 pool (never one busy on the server: nothing else touches it meanwhile), saves what that slot

@@ -1,5 +1,5 @@
 """One save at a time on a server, each in a moment when it pauses nobody's stream: the wait
-moments.py decides, for the saves requests need and the background's.
+cache/decisions/moments.py decides, for the saves requests need and the background's.
 
 A request whose slot must be saved first (its content would be lost) waits here for an idle
 moment, at most `max_wait` (then it goes anyway); background work (background_saves.py,

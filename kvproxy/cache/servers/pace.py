@@ -1,6 +1,7 @@
 """How fast a server writes slot states and generates tokens, measured from its own saves,
-restores and replies: what a save will cost (moments.py: whether it is a big one; the
-shutdown: what fits in its deadline) and a restore (payoff.py: whether it pays).
+restores and replies: what a save will cost (cache/decisions/moments.py: whether it is a big
+one; the shutdown: what fits in its deadline) and a restore (cache/decisions/payoff.py: whether
+it pays).
 
 A save's time is its state's bytes over the write speed of this server's recent saves (the
 state's bytes over the seconds its save took: from the save request to its commit, or, for
@@ -34,7 +35,7 @@ MIN_MEASURED_BYTES = 1
 # Replies that generated fewer tokens tell little of the gap between them (the first token
 # after a prefill can take several times as long as the next ones).
 MIN_GAP_TOKENS = 16
-# Restores that read less measure the round trip more than the disk (payoff.py).
+# Restores that read less measure the round trip more than the disk (cache/decisions/payoff.py).
 MIN_READ_BYTES = 16 << 20
 
 

@@ -3,7 +3,7 @@
 Every request the proxy forwards, and every save or restore, holds its slot exclusively:
 the server defers slot actions sent to a busy slot, and a deferred action can leave later
 completions hanging, so the proxy owns the order of everything that touches a slot. Which
-slot a request gets is slotchoice.py's, on plain data.
+slot a request gets is cache/decisions/slotchoice.py's, on plain data.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class SlotPool:
         self._draining: list[int] = []  # numbers of the requests waiting for every slot
         # Called (on the loop) whenever a slot becomes idle: background saves look for work.
         self.on_release: Callable[[], None] | None = None
-        # Whether a slot holds a conversation waiting for a tool's result (toolloops.py): a
-        # newcomer takes another slot when there is one.
+        # Whether a slot holds a conversation waiting for a tool's result
+        # (cache/decisions/toolloops.py): a newcomer takes another slot when there is one.
         self.awaited: Callable[[Slot], bool] = lambda _slot: False
 
     def resize(self, n_slots: int) -> None:

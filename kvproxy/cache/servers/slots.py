@@ -69,7 +69,8 @@ class Slot:
     # The tenant whose tokens the server's slot may hold, whatever kvproxy knows of them
     # (`forget` keeps it): another tenant's request may only run there once it is erased.
     occupant: str | None = ANYONE
-    # Taken for a background save (background_saves.py): soon idle, its content then on disk.
+    # Taken for a background save (cache/scheduling/background_saves.py): soon idle, its content
+    # then on disk.
     saving: bool = False
     # Its own conversation's next turn waits for it during a background save: the save gives
     # way unless its state write is already sent (the turn finds its state resident anyway,
@@ -90,11 +91,11 @@ class Slot:
     # Its request's reply is delivered and kvproxy's own work after it (a GET /slots, a
     # --write-through save) holds the slot: the server alone would find it idle.
     finishing: bool = False
-    # Taken for a prefetch (prefetch.py): a conversation waiting for a tool's result is
-    # restored into it (`serving` names that conversation).
+    # Taken for a prefetch (cache/scheduling/prefetch.py): a conversation waiting for a tool's
+    # result is restored into it (`serving` names that conversation).
     prefetching: bool = False
-    # Its request waits for a moment to save what the slot holds (savegate.py): not at work
-    # on the server yet.
+    # Its request waits for a moment to save what the slot holds (cache/scheduling/savegate.py):
+    # not at work on the server yet.
     gated: bool = False
 
     def shared_depth(self, keys: Sequence[str], namespace: str) -> int:

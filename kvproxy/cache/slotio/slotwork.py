@@ -2,7 +2,7 @@
 
 Every method here needs the slot to be ours (taken from the pool, so nothing else touches
 it): the server defers slot actions sent to a busy slot, and a deferred action can hang
-later completions. What the slot holds changes only through slots.py's methods.
+later completions. What the slot holds changes only through cache/servers/slots.py's methods.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class SlotWork:
         return worth_saving(
             held,
             disk_enabled=self.backend.disk_enabled,
-            # Read under the server's current fingerprint (loras.py), and ever reused.
+            # Read under the server's current fingerprint (cache/servers/loras.py), and ever reused.
             restores_allowed=held is None
             or (
                 self.backend.loras.current(held.namespace)
@@ -149,18 +149,18 @@ class SlotWork:
         """Save what the slot holds under its key. The slot must be ours and verified.
         `background`: no request waits for it (counted apart); it stops before each of its
         steps on the server when its conversation's turn claims the slot, or when `give_way`
-        says so (another slot's request came: background_saves.py).
+        says so (another slot's request came: cache/scheduling/background_saves.py).
 
         `commit_later`: return once the server's `action=save` answered (the state is in the
         page cache, the slot may be given away); the commit (rename, checksum, fsync, index
         row: `Store.commit_async`, on threads) follows in the background. Until it ends the
-        key stays under way (saving.py), so the conversation's next turn waits for the commit
-        before it looks the state up: it never restores an uncommitted file. A crash before
-        the commit leaves only the temp file, swept at the next start. Without it the commit
-        ends before this returns (a shutdown, an opening others wait for).
+        key stays under way (cache/disk/saving.py), so the conversation's next turn waits for
+        the commit before it looks the state up: it never restores an uncommitted file. A crash
+        before the commit leaves only the temp file, swept at the next start. Without it the
+        commit ends before this returns (a shutdown, an opening others wait for).
 
         `kind`: a conversation's TURN, or a start SHARED with other sessions (an opening, a
-        stem): lineage.py supersedes only turns."""
+        stem): cache/disk/lineage.py supersedes only turns."""
         key = slot.holding.key if slot.holding is not None else None
         with self.under_way.saving(key):
             return await self._save(slot, background, give_way, commit_later, kind)
@@ -298,7 +298,7 @@ class SlotWork:
         self, slot: Slot, tokens: list[int], what: str, namespace: str
     ) -> dict[str, object] | None:
         """kvproxy's own evaluation, with the namespace's adapter scales (not done when they
-        are not known: loras.py); its timings (a cold prefill) price cached tokens."""
+        are not known: cache/servers/loras.py); its timings (a cold prefill) price cached tokens."""
         known, lora = self.backend.loras.body(namespace, len(self.backend.identity.lora_defaults))
         if not known:
             return None
@@ -325,7 +325,7 @@ class SlotWork:
 
     async def restore(self, slot: Slot, entry: Entry) -> RestoreOutcome | None:
         """Load `entry` into the slot; None when it fails (the entry dropped, or kept when
-        the server refused it for its layout: refused.py)."""
+        the server refused it for its layout: cache/disk/refused.py)."""
         self.store.pin(entry.key)
         try:
             problem = await asyncio.to_thread(self.store.files.check_state_file, entry)
@@ -389,5 +389,5 @@ class SlotWork:
     # --- the budget
 
     async def evict(self) -> None:
-        """TTL first, then the byte budget (commits.py)."""
+        """TTL first, then the byte budget (cache/disk/commits.py)."""
         await self.commits.evict()
