@@ -129,7 +129,7 @@ def namespace(model_identity: str, request: Mapping[str, Any], tenant: str | Non
 
 
 def stem(namespace: str, role: str, head: str) -> str:
-    """The key of a system message's first characters: a stem entry (cache/stems.py)."""
+    """The key of a system message's first characters: a stem entry (cache/prefixes/stems.py)."""
     return _hash(
         b"kvproxy-stem-v1\0", namespace.encode(), b"\0", role.encode(), b"\0", head.encode()
     )

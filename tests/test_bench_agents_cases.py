@@ -24,7 +24,7 @@ from kvproxy_bench.agentdrivers import (
 from kvproxy_bench.arms import DIRECT_RAM_CACHE, KVPROXY
 from kvproxy_bench.tap import Tap
 
-from kvproxy.cache.stems import MIN_STEM_CHARS, presumed_cut
+from kvproxy.cache.prefixes.stems import MIN_STEM_CHARS, presumed_cut
 from kvproxy.server.managed import free_port
 
 

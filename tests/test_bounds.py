@@ -1,4 +1,4 @@
-"""Bounds on what one client can make kvproxy keep per namespace (bounds.py): habits and
+"""Bounds on what one client can make kvproxy keep per namespace (cache/decisions/bounds.py): habits and
 openings are LRUs per tenant and in total, habits.json stays under its read limit, and one
 that is over it is trimmed to the most recently used entries, never discarded whole."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import orjson
 
-from kvproxy.cache import bounds
-from kvproxy.cache.bounds import NamespaceLRU
+from kvproxy.cache.decisions import bounds
+from kvproxy.cache.decisions.bounds import NamespaceLRU
 from kvproxy.cache.habits import BYTE_BUDGET, Habits
 from kvproxy.edge.app import SERVICE
 from kvproxy.store import dirfiles
@@ -133,7 +133,7 @@ async def test_a_restarted_proxy_trims_an_over_limit_habits_file_and_writes_it_b
 
 
 def test_openings_are_bounded_per_tenant() -> None:
-    from kvproxy.cache.openings import Openings
+    from kvproxy.cache.prefixes.openings import Openings
 
     openings = Openings.__new__(Openings)
     openings._seen = {}

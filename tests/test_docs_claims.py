@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.decisions.policy import Decision
 from kvproxy.edge.routes import ROUTES, RouteTable, Treatment
 
 from .conftest import Maker

@@ -10,7 +10,8 @@ import pytest
 
 from kvproxy.cli import main
 from kvproxy.config import Settings
-from kvproxy.server.doctor import Check, diagnose
+from kvproxy.server.checks import Check
+from kvproxy.server.doctor import diagnose
 from kvproxy.server.managed import free_port
 
 from .conftest import RealServer, start_proxy, start_real_server

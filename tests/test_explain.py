@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from kvproxy import keys
-from kvproxy.cache.explain import MARK, excerpt, explain_miss
+from kvproxy.cache.reports.explain import MARK, excerpt, explain_miss
 from kvproxy.store import DB_NAME, Entry, Store
 
 from .conftest import NOT_ENTRIES, Maker, RunningProxy, start_proxy

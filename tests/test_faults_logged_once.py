@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvproxy.cache.faults import Faults
-from kvproxy.cache.leases import Background
+from kvproxy.cache.reports.faults import Faults
+from kvproxy.cache.servers.leases import Background
 from kvproxy.edge.app import SERVICE
 from kvproxy.store import Store
 

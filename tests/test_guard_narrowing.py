@@ -18,8 +18,8 @@ import pytest
 from kvproxy_fake.model import N_VOCAB
 from kvproxy_fake.server import FakeSlot
 
-from kvproxy.cache.explain import wasted_hint
-from kvproxy.cache.policy import INEFFECTIVE_LIMIT
+from kvproxy.cache.decisions.policy import INEFFECTIVE_LIMIT
+from kvproxy.cache.reports.explain import wasted_hint
 from kvproxy.server.modelinfo import ModelInfo
 
 from .conftest import committed, start_proxy

@@ -5,7 +5,12 @@ TYPE_CHECKING too):
     readable → settingvalues
 
 A module imports kvproxy modules of its own layer or of a lower one, never of a higher one:
-requests go down one layer per hop, and nothing imports `cli/`. `wire/`, `keys` and the pure
+requests go down one layer per hop, and nothing imports `cli/`. Inside `cache/` the same rule
+holds between its floors (its sub-packages, and `context`):
+
+    scheduling → prefixes → slotio → disk → context → habits → servers → reports → decisions,
+    canonical
+ `wire/`, `keys` and the pure
 policy modules import no I/O module (no aiohttp, asyncio, sqlite3, files, processes), so the
 cache's decisions and the client APIs are tested on plain data. The runtime never imports the
 benchmarks or the fake server (a separate distribution under bench/) except `kvproxy bench`'s
@@ -41,20 +46,25 @@ RANK = {
     "settingvalues": -2,
     "__main__": 9,
 }
+# cache/'s floors, the same way: a floor imports its own or lower ones.
+CACHE_RANK = {
+    "scheduling": 8,  # slot work beside the requests: saves in moments, prefetches
+    "prefixes": 7,  # what of a request is held already: reuse, openings, stems
+    "slotio": 6,  # the I/O a slot goes through: verify, save, restore, clear
+    "disk": 5,  # a state's life on disk: commits, saves under way, room, lineage
+    "context": 4,  # what every part of the cache is given
+    "habits": 3,  # what clients do to a conversation between turns
+    "servers": 2,  # each llama-server as the cache knows it: its slots, the pool, leases
+    "reports": 1,  # what the cache tells: events, explained misses, faults
+    "decisions": 0,  # the rules, on plain data (all of it in PURE)
+    "canonical": 0,  # the canonical prefix and the tokenising it rests on
+}
 PURE = (
     "kvproxy.wire",
     "kvproxy.keys",
     "kvproxy.settingvalues",
-    "kvproxy.cache.policy",
-    "kvproxy.cache.pressure",
-    "kvproxy.cache.moments",
-    "kvproxy.cache.shutdownplan",
-    "kvproxy.cache.toolloops",
-    "kvproxy.cache.prefillrate",
-    "kvproxy.cache.payoff",
     "kvproxy.readable",
-    "kvproxy.cache.slotchoice",
-    "kvproxy.cache.bounds",
+    "kvproxy.cache.decisions",
     "kvproxy.handlers.plan",
     "kvproxy.lanes.routing",
 )
@@ -131,6 +141,50 @@ def test_imports_run_down_the_layers() -> None:
     assert offenders == []
 
 
+def floor(module: str) -> str:
+    """The floor of a module of cache/ ("" for the package itself)."""
+    return module.split(".")[2] if module.count(".") >= 2 else ""
+
+
+def cache_modules() -> list[tuple[Path, str]]:
+    return [(p, m) for p, m in runtime_modules() if layer(m) == "cache" and m != "kvproxy.cache"]
+
+
+def test_every_cache_module_is_on_a_floor() -> None:
+    assert [m for _, m in cache_modules() if floor(m) not in CACHE_RANK] == []
+
+
+def test_imports_run_down_the_cache_floors() -> None:
+    names = {m for _, m in runtime_modules()}
+    offenders = []
+    for path, name in cache_modules():
+        own = floor(name)
+        for target, line, _ in imports(path, name):
+            if target not in names or layer(target) != "cache" or target == "kvproxy.cache":
+                continue
+            other = floor(target)
+            if other != own and CACHE_RANK[other] >= CACHE_RANK[own]:
+                offenders.append(f"{name}:{line} imports {target} ({own} → {other})")
+    assert offenders == []
+
+
+def test_the_cache_packages_hand_nothing_on() -> None:
+    """cache/__init__.py and its floors' are a docstring only: a name is imported from the module
+    that holds it, and no package's face can close a circle (habits/__init__.py holds the habits
+    themselves)."""
+    faces = [PACKAGE / "cache" / "__init__.py"] + [
+        PACKAGE / "cache" / f / "__init__.py"
+        for f in CACHE_RANK
+        if f != "habits" and (PACKAGE / "cache" / f).is_dir()
+    ]
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in faces
+        if imports(path, module_name(path, PACKAGE, "kvproxy"))
+    ]
+    assert offenders == []
+
+
 def test_pure_modules_import_no_io() -> None:
     offenders = []
     for path, name in runtime_modules():
@@ -158,15 +212,15 @@ def test_the_fake_server_imports_nothing_of_kvproxy() -> None:
 
 
 # Fields that change only through their owner's methods, so what the README says holds: a
-# slot's picture changes in slots.py, a backend's state in backend.py.
+# slot's picture changes in cache/servers/slots.py, a backend's state in cache/servers/backend.py.
 OWNED = {
-    "kvproxy.cache.slots": (
+    "kvproxy.cache.servers.slots": (
         "slot",
         {"holding", "saved", "busy", "last_used", "changed_at", "snapshot", "seen_at"}
         | {"started_at", "occupant", "saving", "claimed", "taken", "pending", "action"}
         | {"serving", "finishing"},
     ),
-    "kvproxy.cache.backend": (
+    "kvproxy.cache.servers.backend": (
         "backend",
         {"enabled", "slot_actions", "doubt", "store_open", "model_identity", "model_info"}
         | {"fingerprint", "identity", "life", "life_started"},

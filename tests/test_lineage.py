@@ -1,6 +1,6 @@
-"""One conversation, one state on disk: the rule on plain data (lineage.py), and the store
+"""One conversation, one state on disk: the rule on plain data (cache/disk/lineage.py), and the store
 removing what it names once the newer state is committed; room under --max-disk before a
-save (room.py)."""
+save (cache/disk/room.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kvproxy import keys
-from kvproxy.cache.lineage import Older, superseded
+from kvproxy.cache.disk.lineage import Older, superseded
 from kvproxy.store import Entry, Store
 from kvproxy.store.entry import SHARED, TURN
 
@@ -75,7 +75,7 @@ async def test_the_store_removes_the_superseded_rows_and_files(tmp_path: Path) -
 
 
 def test_room_for_a_save_counts_the_states_still_committing() -> None:
-    from kvproxy.cache.room import Room, room_for
+    from kvproxy.cache.disk.room import Room, room_for
 
     assert room_for(0, 5_000, 100) == Room(True, 0)  # no budget: nothing to make room for
     assert room_for(10_000, None, 100) == Room(True, 0)  # size not known: evicted after

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvproxy.cache.liveness import Hung, Liveness
+from kvproxy.cache.servers.liveness import Hung, Liveness
 
 
 async def never() -> int:

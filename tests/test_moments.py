@@ -1,10 +1,10 @@
-"""When a save may start on a server (kvproxy/cache/moments.py), on plain data: one at a time,
+"""When a save may start on a server (kvproxy/cache/decisions/moments.py), on plain data: one at a time,
 a big one only in a moment when no other slot generates, a request's own at most `max_wait`
 later, an optional one never while a request could come soon."""
 
 from __future__ import annotations
 
-from kvproxy.cache.moments import ServerNow, may_start
+from kvproxy.cache.decisions.moments import ServerNow, may_start
 
 BIG = 2.0  # seconds a save of a 2 GiB state takes at ~1 GB/s
 GAP = 0.05  # the server's token gap

@@ -1,5 +1,5 @@
-"""Which state serves a request, by model class (policy.py), and opening entries
-(openings.py): plain data first, then the fake server (`reuse="window"` for SWA after a
+"""Which state serves a request, by model class (cache/decisions/policy.py), and opening entries
+(cache/prefixes/openings.py): plain data first, then the fake server (`reuse="window"` for SWA after a
 restore, `reuse="extend"` for recurrent models)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.cache.policy import (
+from kvproxy.cache.decisions.policy import (
     StoredView,
     near_end_candidate,
     pick_stored,

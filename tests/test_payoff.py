@@ -1,19 +1,19 @@
-"""Restore only when it pays (cache/payoff.py): the rule on plain data, the read rate a
-server's restores measure (pace.py), and the proxy prefilling when told its disk is slow."""
+"""Restore only when it pays (cache/decisions/payoff.py): the rule on plain data, the read rate a
+server's restores measure (cache/servers/pace.py), and the proxy prefilling when told its disk is slow."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvproxy.cache.events import SlotActionEvent
-from kvproxy.cache.pace import Pace
-from kvproxy.cache.payoff import (
+from kvproxy.cache.decisions.payoff import (
     MARGIN,
     RestoreChoice,
     RestoreCost,
     choose_restore,
     tokens_back,
 )
+from kvproxy.cache.reports.events import SlotActionEvent
+from kvproxy.cache.servers.pace import Pace
 
 from .conftest import Maker
 from .test_cache import chat, conv, settle, then

@@ -1,4 +1,4 @@
-"""The cache's decisions on plain data (policy.py): no server, no HTTP."""
+"""The cache's decisions on plain data (cache/decisions/policy.py): no server, no HTTP."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.cache.policy import (
+from kvproxy.cache.decisions.policy import (
     INEFFECTIVE_LIMIT,
     HeldView,
     Move,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvproxy.cache.events import Events, RequestEvent
-from kvproxy.cache.policy import Decision
-from kvproxy.cache.prefillrate import WINDOW, PrefillRates
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.decisions.prefillrate import WINDOW, PrefillRates
+from kvproxy.cache.reports.events import Events, RequestEvent
 from kvproxy.cli.stats import render_stats
 from kvproxy.obs.recent import Recent
 from kvproxy.obs.requestlog import format_request

@@ -1,8 +1,8 @@
-"""The background-save policy (kvproxy/cache/pressure.py) on plain data."""
+"""The background-save policy (kvproxy/cache/decisions/pressure.py) on plain data."""
 
 from __future__ import annotations
 
-from kvproxy.cache.pressure import (
+from kvproxy.cache.decisions.pressure import (
     IdleView,
     LiveConversations,
     SaveDecision,
@@ -67,7 +67,7 @@ def test_a_save_waits_while_another_slot_serves_a_request() -> None:
 
 def test_a_save_the_next_request_would_need_waits_for_the_stream_too() -> None:
     # No other idle slot is free: the next new conversation saves slot 0 on its own path,
-    # and that save too waits for a moment no stream is paused (savegate.py).
+    # and that save too waits for a moment no stream is paused (cache/scheduling/savegate.py).
     slots = [view(0, 2.0), view(1, 0.0, serving=True)]
     decision = next_background_save(slots, live=4, waiting=0, idle_save_after=30, max_wait=10)
     assert decision == NOTHING

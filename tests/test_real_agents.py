@@ -24,7 +24,7 @@ from kvproxy_bench.agentdrivers import OPENCLAW as OPENCLAW_CLIENT
 from kvproxy_bench.arms import KVPROXY, BenchEnv
 from kvproxy_bench.dialogues import first_turn
 
-from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
+from kvproxy.cache.reports.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.edge.app import SERVICE
 from kvproxy.http.relay import send
 from kvproxy.server.managed import free_port

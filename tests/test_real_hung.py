@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
+from kvproxy.cache.reports.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.edge.app import SERVICE
 
 from .conftest import start_proxy, start_real_server

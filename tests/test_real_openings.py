@@ -1,6 +1,6 @@
 """New sessions of an agent start warm on a real llama-server (Gemma 3 270M, SWA, n_swa 512,
 --swa-full): a restored multi-turn state serves a new session sharing only its system prompt
-with nothing, so kvproxy restores the opening entry (openings.py) instead."""
+with nothing, so kvproxy restores the opening entry (cache/prefixes/openings.py) instead."""
 
 from __future__ import annotations
 

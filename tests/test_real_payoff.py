@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from kvproxy_bench.dialogues import first_turn
 
-from kvproxy.cache.events import SlotActionEvent
+from kvproxy.cache.reports.events import SlotActionEvent
 
 from .conftest import committed, start_proxy, start_real_server
 from .test_cache import settle

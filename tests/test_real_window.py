@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvproxy.cache.policy import StoredView, reuse_rule, window_serves
+from kvproxy.cache.decisions.policy import StoredView, reuse_rule, window_serves
 from kvproxy.server.modelinfo import read_model_info
 
 from .conftest import RealServer

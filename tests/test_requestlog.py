@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.cache.events import MissExplanation, RequestEvent
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.reports.events import MissExplanation, RequestEvent
 from kvproxy.cli import setup_logging
 from kvproxy.cli.flags import load_settings
 from kvproxy.cli.logwriter import LogWriter

@@ -15,7 +15,8 @@ from kvproxy_fake.router import FakeRouter, fake_models
 from kvproxy.config import Settings
 from kvproxy.http.session import Upstream, UpstreamError
 from kvproxy.server.api import LlamaClient, ModelRoute
-from kvproxy.server.doctor import Check, diagnose
+from kvproxy.server.checks import Check
+from kvproxy.server.doctor import diagnose
 from kvproxy.server.launch import gguf_files, managed_command
 from kvproxy.server.managed import router_command
 from kvproxy.server.modellist import (

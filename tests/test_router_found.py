@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from kvproxy_fake.router import FakeRouter, fake_models
 
-from kvproxy.cache import backend
+from kvproxy.cache.servers import backend
 from kvproxy.lanes import cache as lanecache
 from kvproxy.lanes.routing import model_candidates
 from kvproxy.server.managed import free_port

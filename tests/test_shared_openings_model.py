@@ -11,7 +11,7 @@ state only when the prompt extends it. After every step:
   (it is resident or restored, never a miss: its state is on disk or in a slot), and a
   `resident` new session reuses at least the system prompt it shares.
 
-One agent's system prompt is long enough to be presumed an opening (openings.py), so new
+One agent's system prompt is long enough to be presumed an opening (cache/prefixes/openings.py), so new
 sessions starting at once also meet the path where one evaluates it and the others wait
 and restore it. `KVPROXY_MODEL_EXAMPLES=200` runs more examples than `make test`'s 25.
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvproxy.cache.leases import Background
+from kvproxy.cache.servers.leases import Background
 from kvproxy.server.managed import free_port
 from kvproxy.store import DB_NAME, Store
 

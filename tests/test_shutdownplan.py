@@ -1,8 +1,8 @@
-"""What a shutdown saves in its budget (kvproxy/cache/shutdownplan.py), on plain data."""
+"""What a shutdown saves in its budget (kvproxy/cache/decisions/shutdownplan.py), on plain data."""
 
 from __future__ import annotations
 
-from kvproxy.cache.shutdownplan import Candidate, ShutdownPlan, plan_shutdown
+from kvproxy.cache.decisions.shutdownplan import Candidate, ShutdownPlan, plan_shutdown
 
 # Four slots of one server holding 8k-token states (1 GiB at 128 KiB a token): ~7.2 s each at
 # an assumed 150 MB/s, the most recently used last.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy.cache import backend
+from kvproxy.cache.servers import backend
 from kvproxy.lanes import cache as lanecache
 
 from .conftest import start_proxy

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvproxy.cache.slotpool import SlotPool
-from kvproxy.cache.slots import UNKNOWN_REPLY_TOKENS, Holding
+from kvproxy.cache.servers.slotpool import SlotPool
+from kvproxy.cache.servers.slots import UNKNOWN_REPLY_TOKENS, Holding
 from kvproxy.server.api import SlotInfo
 
 

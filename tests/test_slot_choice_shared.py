@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.cache.policy import Move
-from kvproxy.cache.slotchoice import choose, finishing_best, home_of
-from kvproxy.cache.slots import Holding, Slot
+from kvproxy.cache.decisions.policy import Move
+from kvproxy.cache.decisions.slotchoice import choose, finishing_best, home_of
+from kvproxy.cache.servers.slots import Holding, Slot
 from kvproxy.handlers.plan import Facts, decide
 
 OPENING = ["sys"]

@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvproxy.cache.events import MissExplanation, RequestEvent
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.reports.events import MissExplanation, RequestEvent
 from kvproxy.obs.recent import RECENT_REQUESTS, Recent
 
 from .browser import dump_dom, screenshot

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.cache.stems import MIN_STEM_CHARS, Cuts, moved_on, presumed_cut, stem_probes
+from kvproxy.cache.prefixes.stems import MIN_STEM_CHARS, Cuts, moved_on, presumed_cut, stem_probes
 from kvproxy.server.modelinfo import ModelClass
 
 from .conftest import Maker, RunningProxy

@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 from kvproxy import keys
-from kvproxy.cache import backend as backendmod
+from kvproxy.cache.servers import backend as backendmod
 from kvproxy.edge.app import SERVICE
 from kvproxy.lanes import cache as cachemod
 from kvproxy.store import Entry, Store, fileops

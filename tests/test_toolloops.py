@@ -1,11 +1,11 @@
-"""Conversations waiting for a tool's result (kvproxy/cache/toolloops.py), on plain data, and
-the slot a newcomer gets beside one (kvproxy/cache/slotchoice.py)."""
+"""Conversations waiting for a tool's result (kvproxy/cache/decisions/toolloops.py), on plain data, and
+the slot a newcomer gets beside one (kvproxy/cache/decisions/slotchoice.py)."""
 
 from __future__ import annotations
 
-from kvproxy.cache.slotchoice import choose
-from kvproxy.cache.slots import Holding, Slot
-from kvproxy.cache.toolloops import ToolLoops, window_for
+from kvproxy.cache.decisions.slotchoice import choose
+from kvproxy.cache.decisions.toolloops import ToolLoops, window_for
+from kvproxy.cache.servers.slots import Holding, Slot
 
 A = ["sys", "a1", "a-call"]  # a conversation whose last reply is a tool call
 

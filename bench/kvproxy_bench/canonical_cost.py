@@ -3,7 +3,7 @@ renders, their tokenisation three ways, and the evaluation on the slot.
 
 Per template and size: one conversation (a system prompt of about `size` tokens) runs
 `repeats + 1` turns in the server's only slot; after each reply the step a save makes runs
-as kvproxy/cache/slotwork.py does it: the probe renders (`/apply-template`), tokenised (1)
+as kvproxy/cache/slotio/slotwork.py does it: the probe renders (`/apply-template`), tokenised (1)
 every render in full, as before tokensplit.py ("all"), (2) the shared head once and the
 tails apart, as a conversation's first save does ("head once"), (3) with the Heads the
 previous saves left, as its later saves do ("with heads"); the three token lists must be

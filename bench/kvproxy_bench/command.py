@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvproxy.cli.bench import BIG_MODEL
 from kvproxy.server.managed import default_models_dir
 from kvproxy_bench import agents, load, overhead, restore, targets, workload
 from kvproxy_bench.arms import ARM_FLAGS, BenchEnv
@@ -79,7 +78,7 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, main.cancel)
     workdir = args.workdir or Path(await asyncio.to_thread(tempfile.mkdtemp, "", "kvproxy-bench-"))
     await asyncio.to_thread(workdir.mkdir, 0o700, True, True)
-    if args.model == BIG_MODEL:
+    if args.model == args.big_model:  # the name kvproxy/cli/bench.py gives it
         from kvproxy_bench.ggufmodels import big_model_file
 
         args.model = str(await asyncio.to_thread(big_model_file, default_models_dir()))

@@ -177,7 +177,7 @@ def _cli(*argv: str) -> tuple[float, str]:
 
 
 async def _save(store: Store) -> float:
-    """A save's bookkeeping, as SlotWork.save (kvproxy/cache/slotwork.py) does it once the
+    """A save's bookkeeping, as SlotWork.save (kvproxy/cache/slotio/slotwork.py) does it once the
     server wrote the file: its seconds."""
     key = secrets.token_hex(KEY_HEX_LEN // 2)
     temp = store.temp_name(key)
@@ -274,7 +274,7 @@ async def run_store(workdir: Path, opts: StoreOptions) -> StoreResult:
     it = iter(picks * 2)
 
     async def restore_check() -> None:
-        """What SlotWork.restore (kvproxy/cache/slotwork.py) does before it asks the server
+        """What SlotWork.restore (kvproxy/cache/slotio/slotwork.py) does before it asks the server
         (the use is recorded in the background after it)."""
         entry = next(it)
         store.pin(entry.key)

@@ -22,11 +22,11 @@ between them (where only background saves run). Counts of saves and restores are
 stream.
 
 Arms: kvproxy with its background saves held back while another slot serves a request and
-another idle slot is free for a new conversation (the default; `kvproxy/cache/pressure.py`),
-kvproxy with `--save-wait 0` (saves at once), and llama-server alone with its RAM
-cache (which copies states to and from RAM on the same loop). With `--slots 2` one slot
-streams and the other is the only one left, so every save is urgent and both kvproxy arms
-save at once; `--slots 3` shows the hold.
+another idle slot is free for a new conversation (the default;
+`kvproxy/cache/decisions/pressure.py`), kvproxy with `--save-wait 0` (saves at once), and
+llama-server alone with its RAM cache (which copies states to and from RAM on the same loop). With
+`--slots 2` one slot streams and the other is the only one left, so every save is urgent and both
+kvproxy arms save at once; `--slots 3` shows the hold.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvproxy import keys
-from kvproxy.cache.backend import Backend
-from kvproxy.cache.events import Events
+from kvproxy.cache.decisions.policy import RestoreGuard
 from kvproxy.cache.habits import Habits
-from kvproxy.cache.leases import Background
-from kvproxy.cache.policy import RestoreGuard
+from kvproxy.cache.reports.events import Events
+from kvproxy.cache.servers.backend import Backend
+from kvproxy.cache.servers.leases import Background
 from kvproxy.config import Settings
 from kvproxy.store import Store
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 MAX_CTX = 8192  # restore and all: the largest size (1k, 2k, … up to it)
 # `bench big`'s default model: a random-weight GGUF with an 8B's KV geometry, written once
-# into kvproxy's models dir (kvproxy_bench.ggufmodels).
+# into kvproxy's models dir (kvproxy_bench.ggufmodels). Handed to the benchmarks as data
+# (`args.big_model`): they import nothing from here.
 BIG_MODEL = "big"
 
 
@@ -226,7 +227,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=None,
         help="every server's --flash-attn (default: the server's own, auto)",
     )
-    p.set_defaults(func=run, server_args=[])
+    p.set_defaults(func=run, server_args=[], big_model=BIG_MODEL)
 
 
 # The benchmarks are a distribution of their own (bench/, not on PyPI), so no extra of

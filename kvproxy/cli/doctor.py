@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvproxy.cli.flags import add_config_flag, add_settings_flags, settings_from_args
 
 if TYPE_CHECKING:
-    from kvproxy.server.doctor import Check
+    from kvproxy.server.checks import Check
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

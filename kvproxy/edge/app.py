@@ -15,8 +15,8 @@ import orjson
 from aiohttp import web
 
 from kvproxy import readable
-from kvproxy.cache.events import Events
-from kvproxy.cache.policy import Decision as CacheDecision
+from kvproxy.cache.decisions.policy import Decision as CacheDecision
+from kvproxy.cache.reports.events import Events
 from kvproxy.config import Settings
 from kvproxy.edge import routes, status
 from kvproxy.edge.guards import admin_refusal, client_refusal, host_refusal
@@ -311,8 +311,8 @@ async def forward(
 
 def faults_header(service: Service) -> dict[str, str]:
     """`/health` stays the server's answer; while some work of kvproxy's keeps failing (a full
-    disk, a read-only cache dir: cache/faults.py) it also names what, in a header. The errors
-    themselves are in /kvproxy/stats, which off loopback needs the admin token."""
+    disk, a read-only cache dir: cache/reports/faults.py) it also names what, in a header. The
+    errors themselves are in /kvproxy/stats, which off loopback needs the admin token."""
     failing = service.cache.faults.failing()
     return {"X-KVProxy-Faults": ", ".join(sorted(failing))} if failing else {}
 

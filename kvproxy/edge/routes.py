@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from kvproxy.cache.backend import SLOT_PICKING_ROUTES
+from kvproxy.cache.servers.backend import SLOT_PICKING_ROUTES
 
 
 class Treatment(StrEnum):
@@ -142,7 +142,7 @@ ROUTES: tuple[Route, ...] = (
         "completion",
     ),
     Route("/infill", POST, KEYED, "code infill: keyed on extra context and prefix", "infill"),
-    # --- routes on slots the server picks itself (cache/backend.py SLOT_PICKING_ROUTES)
+    # --- routes on slots the server picks itself (cache/servers/backend.py SLOT_PICKING_ROUTES)
     *_each(SLOT_PICKING_ROUTES, POST, Treatment.EVERY_SLOT),
     # --- no slot
     *_each(("/health", "/v1/health"), GET, PASS, "llama-server's, unchanged", role=Role.HEALTH),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvproxy.cache.slotpool import QueueFull
+from kvproxy.cache.servers.slotpool import QueueFull
 from kvproxy.http.errors import error_response, loading_response
 from kvproxy.http.session import UpstreamError
 

@@ -18,16 +18,16 @@ import time
 
 from aiohttp import web
 
-from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
-from kvproxy.cache.leases import Lease
-from kvproxy.cache.liveness import Hung
-from kvproxy.cache.loras import sent
-from kvproxy.cache.pace import Pace
-from kvproxy.cache.slotpool import QueueFull
-from kvproxy.cache.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
-from kvproxy.cache.toolloops import ToolLoops
+from kvproxy.cache.decisions.toolloops import ToolLoops
+from kvproxy.cache.scheduling.background_saves import Warmer
+from kvproxy.cache.servers.leases import Lease
+from kvproxy.cache.servers.liveness import Hung
+from kvproxy.cache.servers.loras import sent
+from kvproxy.cache.servers.pace import Pace
+from kvproxy.cache.servers.slotpool import QueueFull
+from kvproxy.cache.servers.slots import Slot
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.handlers.answers import busy_response
 from kvproxy.handlers.incoming import Incoming
 from kvproxy.handlers.prepare import Preparer
@@ -209,7 +209,8 @@ class Keyed:
                 slot.replied(conv, adapter.echoed(reply), timings)
                 self.pace.replied(timings)
                 if reply.finish_reason == "tool_calls" and slot.holding is not None:
-                    # Its client runs the tool and comes back within seconds (toolloops.py).
+                    # Its client runs the tool and comes back within seconds
+                    # (cache/decisions/toolloops.py).
                     held = slot.holding
                     self.tool_loops.replied(held.namespace, held.chain, time.monotonic())
             else:

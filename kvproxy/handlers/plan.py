@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvproxy.cache.policy import Move, choose
+from kvproxy.cache.decisions.policy import Move, choose
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ class Facts:
     restores_allowed: bool
     worth_saving: bool  # what the slot holds is not on disk, and is worth a file
     held_opening: bool  # what the slot holds passes through a wanted opening with no entry
-    # The store holds the stem of the request's system message (stems.py): it shares no
-    # whole message, but the request extends it exactly.
+    # The store holds the stem of the request's system message (cache/prefixes/stems.py): it
+    # shares no whole message, but the request extends it exactly.
     stem: bool = False
     # Boundaries the request shares with what the slot holds, whatever the server reuses of
     # them, and how many at the end of what it holds the request may drop and still go on

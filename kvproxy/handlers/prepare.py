@@ -4,9 +4,10 @@ the plan decided (plan.py, on plain data), the plan carried out.
 In order: what the slot holds is verified when it is not trusted (at most one GET /slots per
 request before it is forwarded); the store is asked once (`Openings.find`), and the same
 answer shows which boundaries are openings; the plan is decided (a restore only when reading
-the state costs less than prefilling what it gives back: payoff.py); the slot is vacated (save,
-opening, admit: the one sequence every plan but "resident" runs); then the state comes back
-(restored from disk) or the request starts cold, passing through a wanted opening first.
+the state costs less than prefilling what it gives back: cache/decisions/payoff.py); the slot is
+vacated (save, opening, admit: the one sequence every plan but "resident" runs); then the state
+comes back (restored from disk) or the request starts cold, passing through a wanted opening
+first.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ from dataclasses import replace
 
 from kvproxy import readable
 from kvproxy.cache.context import CacheContext
-from kvproxy.cache.events import Count
+from kvproxy.cache.decisions.payoff import RestoreChoice, RestoreCost, choose_restore, tokens_back
+from kvproxy.cache.decisions.policy import Decision, Move, expected_resident
+from kvproxy.cache.decisions.slotchoice import Serves
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.labels import own_state
-from kvproxy.cache.loras import before_restore
-from kvproxy.cache.openings import Openings
-from kvproxy.cache.payoff import RestoreChoice, RestoreCost, choose_restore, tokens_back
-from kvproxy.cache.policy import Decision, Move, expected_resident
-from kvproxy.cache.reuse import NOTHING_FOUND, Found, Reuse
-from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotchoice import Serves
-from kvproxy.cache.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
-from kvproxy.cache.stems import Stems
+from kvproxy.cache.prefixes.openings import Openings
+from kvproxy.cache.prefixes.reuse import NOTHING_FOUND, Found, Reuse
+from kvproxy.cache.prefixes.stems import Stems
+from kvproxy.cache.reports.events import Count
+from kvproxy.cache.reports.labels import own_state
+from kvproxy.cache.scheduling.savegate import SaveGate
+from kvproxy.cache.servers.loras import before_restore
+from kvproxy.cache.servers.slots import Slot
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.handlers.plan import Facts, Plan, decide
 from kvproxy.handlers.prepared import MISS, Prepared, next_turn_of
 from kvproxy.http.session import UpstreamError
@@ -122,7 +123,8 @@ class Preparer:
 
     def _pays(self, slot: Slot, conv: Conversation, found: Found) -> bool:
         """Whether reading the entry found costs less than prefilling what it gives back, at
-        this server's measured rates (payoff.py); logged, and counted when it does not."""
+        this server's measured rates (cache/decisions/payoff.py); logged, and counted when it
+        does not."""
         assert found.best is not None
         entry, shared = found.best
         depth = len(entry.chain)
@@ -199,11 +201,12 @@ class Preparer:
     async def _vacate(self, slot: Slot, conv: Conversation, plan: Plan) -> None:
         """Before the slot changes hands: what it holds is saved if it would be lost, its
         opening is left on disk (both in a moment when they pause no other slot's stream,
-        savegate.py), and the request's tenant is admitted."""
+        cache/scheduling/savegate.py), and the request's tenant is admitted."""
         if plan.save or plan.leave_opening:
             async with self.gate.turn(slot):
                 if plan.save:
-                    # The request waits for the write only; the commit follows (commits.py).
+                    # The request waits for the write only; the commit follows
+                    # (cache/disk/commits.py).
                     await self.work.save(slot, commit_later=True)
                 if plan.leave_opening:
                     await self.openings.before_reassign(slot, conv)
@@ -222,8 +225,8 @@ class Preparer:
             outcome = await self.work.restore(slot, entry)
             if outcome is not None:
                 break
-            # Refused (kept for the layout that saved it: refused.py) or dropped: the slot
-            # is empty now, and the next best entry may be one this server takes.
+            # Refused (kept for the layout that saved it: cache/disk/refused.py) or dropped: the
+            # slot is empty now, and the next best entry may be one this server takes.
             found = await self.reuse.find(conv)
             if found.best is None or found.stem:
                 return MISS

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvproxy.cache.policy import Decision
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.wire import Conversation
 
 # A turn adds a user message, or a user message and a context message (OpenClaw), or tool

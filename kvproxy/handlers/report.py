@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvproxy.cache.context import CacheContext
-from kvproxy.cache.events import Count, RequestEvent
-from kvproxy.cache.explain import explain_against, wasted_hint, why_weak
-from kvproxy.cache.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
-from kvproxy.cache.slots import Slot
-from kvproxy.cache.stems import Stems
+from kvproxy.cache.decisions.policy import Decision, RestoreVerdict, judge_restore, judge_reuse
+from kvproxy.cache.prefixes.stems import Stems
+from kvproxy.cache.reports.events import Count, RequestEvent
+from kvproxy.cache.reports.explain import explain_against, wasted_hint, why_weak
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.handlers.prepared import Prepared
 from kvproxy.wire import Conversation
 from kvproxy.wire.capture import Reply
@@ -145,7 +145,7 @@ class Report:
         event.miss = await explain_against(conv.namespace, conv.messages, candidates, self.store)
         if event.miss is not None:
             # Inside a long system message, what follows changes between sessions: a stem
-            # ends before it (stems.py).
+            # ends before it (cache/prefixes/stems.py).
             self.stems.cuts.learn(
                 conv.namespace, conv.messages, event.miss.message_index, event.miss.char_offset
             )

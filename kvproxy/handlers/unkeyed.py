@@ -14,15 +14,15 @@ import orjson
 from aiohttp import web
 
 from kvproxy import keys
-from kvproxy.cache.backend import REFUSED_STATUSES
 from kvproxy.cache.context import CacheContext
-from kvproxy.cache.events import RequestEvent
-from kvproxy.cache.leases import Lease
-from kvproxy.cache.policy import Decision
-from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotpool import QueueFull
-from kvproxy.cache.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.reports.events import RequestEvent
+from kvproxy.cache.scheduling.savegate import SaveGate
+from kvproxy.cache.servers.backend import REFUSED_STATUSES
+from kvproxy.cache.servers.leases import Lease
+from kvproxy.cache.servers.slotpool import QueueFull
+from kvproxy.cache.servers.slots import Slot
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.handlers.answers import busy_response, unreachable_response
 from kvproxy.http.relay import RelayResult, relay
 from kvproxy.http.session import UpstreamError
@@ -130,8 +130,8 @@ class Unkeyed:
         """Before a request the cache does not key uses the slot: keep what would be lost
         (`gated`: in a moment when it pauses no other slot's stream; a request holding every
         slot pauses none). `commit_later`: the request waits for the server's write only
-        (slotwork.py); one holding every slot (a model unloaded, embeddings) waits for the
-        commits too, so what it unloads is in the index when it answers."""
+        (cache/slotio/slotwork.py); one holding every slot (a model unloaded, embeddings) waits
+        for the commits too, so what it unloads is in the index when it answers."""
         try:
             await self.work.verify(slot)
             if gated and self.work.worth_saving(slot):

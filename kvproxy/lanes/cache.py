@@ -1,11 +1,11 @@
 """The conversation cache, wired together: a lane per llama-server (lane.py), the disk store
 and what the lanes share, the dispatch among them; its life cycle and housekeeping.
 
-Saves happen in the background (background_saves.py: idle slots under slot pressure, or
-after an idle while), at eviction when no background save came first, on shutdown
-(write-back), or after every reply (write-through). Housekeeping runs every second on the
-event loop: it notices entries removed by `kvproxy rm|gc`, checks the server is still the one
-it knows, applies the TTL and the byte budget, and looks for idle slots to save.
+Saves happen in the background (cache/scheduling/background_saves.py: idle slots under slot
+pressure, or after an idle while), at eviction when no background save came first, on shutdown
+(write-back), or after every reply (write-through). Housekeeping runs every second on the event
+loop: it notices entries removed by `kvproxy rm|gc`, checks the server is still the one it
+knows, applies the TTL and the byte budget, and looks for idle slots to save.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.backend import Backend
 from kvproxy.cache.context import CacheContext
-from kvproxy.cache.events import Events
-from kvproxy.cache.faults import Faults
+from kvproxy.cache.decisions.policy import RestoreGuard
 from kvproxy.cache.habits import Habits
-from kvproxy.cache.leases import Background
-from kvproxy.cache.policy import RestoreGuard
-from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.reports.events import Events
+from kvproxy.cache.reports.faults import Faults
+from kvproxy.cache.servers.backend import Backend
+from kvproxy.cache.servers.leases import Background
+from kvproxy.cache.servers.slotpool import SlotPool
 from kvproxy.config import Settings
 from kvproxy.http.errors import loading_response
 from kvproxy.http.session import Upstream, UpstreamError
@@ -57,7 +57,7 @@ class ConversationCache:
         self.store = Store(Path(settings.cache_dir), settings.ttl, int(settings.max_disk))
         self.habits = Habits()
         self.guard = RestoreGuard()
-        self.faults = Faults()  # what fails in work nobody waits for (faults.py)
+        self.faults = Faults()  # what fails in work nobody waits for (cache/reports/faults.py)
         self.background = Background(self.faults)
         self.store.on_orphaned_error = partial(self.faults.failed, "store operation")
         # The one place every part is built: each lane gets a context with its own backend
@@ -80,7 +80,8 @@ class ConversationCache:
     def _lane(self, upstream: Upstream, several: bool, model: str | None = None) -> Lane:
         backend = Backend(upstream, self.settings, several, model)
         if self._several:
-            # Requests waiting on it when it is found hung may go to another (liveness.py).
+            # Requests waiting on it when it is found hung may go to another
+            # (cache/servers/liveness.py).
             backend.liveness.elsewhere = lambda: self.dispatch.elsewhere(backend)
         ctx = CacheContext(
             self.settings,
@@ -126,11 +127,12 @@ class ConversationCache:
         return summary.entries, summary.bytes, self.store.max_bytes
 
     def fault_summary(self) -> dict[str, tuple[bool, int]]:
-        """Per kind of background work: (failing now, errors so far) (faults.py)."""
+        """Per kind of background work: (failing now, errors so far) (cache/reports/faults.py)."""
         return self.faults.summary()
 
     def namespaces(self) -> dict[str, tuple[int, int]]:
-        """Per kind of per-namespace memory (bounds.py): (namespaces kept, evicted so far)."""
+        """Per kind of per-namespace memory (cache/decisions/bounds.py): (namespaces kept,
+        evicted so far)."""
         kept = sum(len(lane.openings.kept) for lane in self.lanes)
         evicted = sum(lane.openings.kept.evicted for lane in self.lanes)
         return {
@@ -179,7 +181,8 @@ class ConversationCache:
                 break
             except Exception as exc:
                 # A full disk or a read-only dir at start-up goes away without a restart:
-                # requests pass through (uncached) meanwhile, the fault logged once (faults.py).
+                # requests pass through (uncached) meanwhile, the fault logged once
+                # (cache/reports/faults.py).
                 self.faults.failed(OPENING, exc)
                 started.set()
                 await asyncio.sleep(retry)
@@ -321,7 +324,8 @@ class ConversationCache:
             except UpstreamError as exc:
                 log.debug("housekeeping: %s", exc)
             except Exception as exc:
-                # A full disk or a broken index fails every tick: logged once (faults.py).
+                # A full disk or a broken index fails every tick: logged once
+                # (cache/reports/faults.py).
                 self.faults.failed("housekeeping", exc)
             else:
                 self.faults.succeeded("housekeeping")

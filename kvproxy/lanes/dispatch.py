@@ -4,7 +4,7 @@ server holding the conversation, else one that can restore it now, else the leas
 readied once, and served there by the lane's keyed driver. A server that cannot be reached
 before any byte of the reply went out leaves rotation, and the request goes to another server
 (restored there from the shared cache dir); so does one found hung while the request waited
-on it (cache/liveness.py). Requests the cache does not key get their lane from `pick` (the
+on it (cache/servers/liveness.py). Requests the cache does not key get their lane from `pick` (the
 least loaded) or `lane_for` (a router's model).
 
 With router-mode servers, a request goes to a lane of the model its body names; with several
@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.cache.backend import Backend
+from kvproxy.cache.servers.backend import Backend
 from kvproxy.handlers.answers import not_ready_response
 from kvproxy.handlers.incoming import Incoming, read_incoming
 from kvproxy.http import bodies as jsonbody

@@ -1,10 +1,10 @@
 """One lane: one llama-server kvproxy sends work to, with every part that works on its slots.
 
-A lane is a backend (cache/backend.py: the server's client, slot pool and model identity) and
-the parts built on it: slot work, background saves, openings, the keyed driver and the
-unkeyed paths. Every lane shares the cache's store, habits, restore guard, events and
-background work (the context's other fields), so a conversation saved through one lane is
-found by any lane whose model identity (and so namespace) is the same.
+A lane is a backend (cache/servers/backend.py: the server's client, slot pool and model identity)
+and the parts built on it: slot work, background saves, openings, the keyed driver and the unkeyed
+paths. Every lane shares the cache's store, habits, restore guard, events and background work (the
+context's other fields), so a conversation saved through one lane is found by any lane whose model
+identity (and so namespace) is the same.
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ import contextlib
 import dataclasses
 import time
 
-from kvproxy.cache.background_saves import Warmer
 from kvproxy.cache.context import CacheContext
+from kvproxy.cache.decisions.toolloops import ToolLoops
 from kvproxy.cache.habits.learning import HabitLearning
-from kvproxy.cache.openings import Openings
-from kvproxy.cache.pace import Pace, PacedEvents
-from kvproxy.cache.prefetch import Prefetcher
-from kvproxy.cache.reuse import Reuse
-from kvproxy.cache.savegate import SaveGate
-from kvproxy.cache.slotpool import QueueFull, SlotPool
-from kvproxy.cache.slots import Slot
-from kvproxy.cache.slotwork import SlotWork
-from kvproxy.cache.stems import Stems
-from kvproxy.cache.toolloops import ToolLoops
+from kvproxy.cache.prefixes.openings import Openings
+from kvproxy.cache.prefixes.reuse import Reuse
+from kvproxy.cache.prefixes.stems import Stems
+from kvproxy.cache.scheduling.background_saves import Warmer
+from kvproxy.cache.scheduling.prefetch import Prefetcher
+from kvproxy.cache.scheduling.savegate import SaveGate
+from kvproxy.cache.servers.pace import Pace, PacedEvents
+from kvproxy.cache.servers.slotpool import QueueFull, SlotPool
+from kvproxy.cache.servers.slots import Slot
+from kvproxy.cache.slotio.slotwork import SlotWork
 from kvproxy.handlers.keyed import Keyed
 from kvproxy.handlers.prepare import Preparer
 from kvproxy.handlers.report import Report
@@ -37,7 +37,7 @@ class Lane:
     def __init__(self, ctx: CacheContext, name: str) -> None:
         self.name = name  # how logs, metrics and stats name the server (its address)
         backend = ctx.backend
-        # What this server's saves, restores and replies show of its speed (pace.py).
+        # What this server's saves, restores and replies show of its speed (cache/servers/pace.py).
         self.pace = Pace(lambda: backend.model_info.kv_bytes_per_token if backend.model_info else 0)
         ctx = dataclasses.replace(ctx, events=PacedEvents.of(ctx.events, self.pace))
         self.ctx = ctx

@@ -1,5 +1,5 @@
 """Saving one server's slots at shutdown, in the time left: what fits, the most valuable first
-(the plan: cache/shutdownplan.py), and every slot not saved named with why.
+(the plan: cache/decisions/shutdownplan.py), and every slot not saved named with why.
 
 First the slots idle at SIGTERM; then, once the work under way ended (a background save, a
 request's slot work, a long prefill the server is finishing), the others. A slot still busy
@@ -14,8 +14,8 @@ import logging
 import time
 
 from kvproxy import readable
-from kvproxy.cache.shutdownplan import Candidate, plan_shutdown
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.decisions.shutdownplan import Candidate, plan_shutdown
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.lanes.lane import Lane
 from kvproxy.lanes.stats import unsaved
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvproxy.cache.slots import ANYONE, NOBODY, Slot
+from kvproxy.cache.servers.slots import ANYONE, NOBODY, Slot
 from kvproxy.lanes.lane import Lane
 
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvproxy.cache.slotpool import SlotPool
+from kvproxy.cache.servers.slotpool import SlotPool
 
 
 class Gauged(Protocol):

@@ -15,8 +15,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.reports.events import Count, RequestEvent, SlotActionEvent
 from kvproxy.obs.gauges import CacheCollector, Gauged
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -162,7 +162,7 @@ class Metrics:
             Count.PREFETCH: Counter(
                 "kvproxy_prefetches",
                 "Conversations waiting for a tool's result restored into a freed slot before "
-                "their request came (prefetch.py).",
+                "their request came (cache/scheduling/prefetch.py).",
                 registry=r,
             ),
             Count.SUPERSEDED: Counter(

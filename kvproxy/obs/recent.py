@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvproxy.cache.events import Count, RequestEvent, SlotActionEvent
-from kvproxy.cache.explain import describe
-from kvproxy.cache.policy import Decision
+from kvproxy.cache.decisions.policy import Decision
+from kvproxy.cache.reports.events import Count, RequestEvent, SlotActionEvent
+from kvproxy.cache.reports.explain import describe
 
 RECENT_REQUESTS = 20
 RECENT_REASONS = 10

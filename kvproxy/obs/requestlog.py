@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 
 from kvproxy import readable
-from kvproxy.cache.events import Count, MissExplanation, RequestEvent, SlotActionEvent
-from kvproxy.cache.explain import describe
+from kvproxy.cache.reports.events import Count, MissExplanation, RequestEvent, SlotActionEvent
+from kvproxy.cache.reports.explain import describe
 
 log = logging.getLogger("kvproxy.request")
 
@@ -59,7 +59,8 @@ class RequestLog:
             )
 
     def on_slot_action(self, event: SlotActionEvent) -> None:
-        del event  # saves and restores are logged where they happen (kvproxy/cache/slotwork.py)
+        # Saves and restores are logged where they happen (kvproxy/cache/slotio/slotwork.py).
+        del event
 
     def on_count(self, what: Count, n: int) -> None:
         del what, n

@@ -261,8 +261,8 @@ F16_BYTES = 2
 def kv_bytes_per_token(arch: str, meta: dict[str, Any]) -> int:
     """The KV a token keeps at f16: K and V of every attention layer, `head_count_kv` heads of
     `key_length` and `value_length` (by default the embedding over the query heads). An
-    estimate until a save measures it (cache/pace.py): a quantised KV type (`-ctk q8_0`) keeps
-    about half, a sliding-window model without `--swa-full` only its window in those layers;
+    estimate until a save measures it (cache/servers/pace.py): a quantised KV type (`-ctk q8_0`)
+    keeps about half, a sliding-window model without `--swa-full` only its window in those layers;
     recurrent layers keep a fixed state, not counted. 0 when the metadata does not tell."""
     layers = meta.get(f"{arch}.block_count")
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count"))

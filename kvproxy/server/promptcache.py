@@ -12,24 +12,21 @@ with it, whole.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from kvproxy.http.session import UpstreamError
-
-if TYPE_CHECKING:
-    from kvproxy.server.doctor import Doctor
+from kvproxy.server.api import LlamaClient, SlotInfo
+from kvproxy.server.checks import Check
 
 NAME = "RAM prompt cache"
 FIRST = "A first prompt the doctor sends, to see whether the server keeps it aside. " * 3
 OTHER = "Something else entirely, with no words in common at its start. " * 3
 
 
-async def check_prompt_cache(doctor: Doctor) -> None:
-    slot = next((s.id for s in doctor.slots if not s.is_processing), None)
+async def check_prompt_cache(llama: LlamaClient, slots: Sequence[SlotInfo]) -> Check:
+    slot = next((s.id for s in slots if not s.is_processing), None)
     if slot is None:
-        doctor.add(NAME, "warn", "every slot is busy: not probed")
-        return
-    llama = doctor.llama
+        return Check(NAME, "warn", "every slot is busy: not probed")
     first = await llama.tokenize(FIRST)
     try:
         await llama.evaluate(slot, first)
@@ -40,9 +37,8 @@ async def check_prompt_cache(doctor: Doctor) -> None:
             await llama.erase(slot)
     reused = int(timings.get("cache_n", 0))
     if reused < len(first) // 2:
-        doctor.add(NAME, "ok", "off: no slot is given a prompt another slot held")
-        return
-    doctor.add(
+        return Check(NAME, "ok", "off: no slot is given a prompt another slot held")
+    return Check(
         NAME,
         "warn",
         f"on: a prompt the slot had given up came back from it ({reused} of {len(first)} "

@@ -10,7 +10,8 @@ import contextlib
 from pathlib import Path
 
 from kvproxy.http.session import UpstreamError
-from kvproxy.server.doctor import Check, Doctor, Stop
+from kvproxy.server.checks import Check, Stop
+from kvproxy.server.checkup import Doctor
 from kvproxy.server.modellist import RouterModel, list_models
 
 

@@ -40,7 +40,7 @@ class Entry:
     # the GGUF file's ("" in entries saved before kvproxy recorded it).
     model: str = ""
     # What it is kept for: TURN, a conversation's state after a reply (a newer state of the
-    # same conversation that extends it may supersede it: cache/lineage.py), or SHARED, a
+    # same conversation that extends it may supersede it: cache/disk/lineage.py), or SHARED, a
     # start cut for other sessions (an opening, a stem: kept). "" in entries saved before
     # kvproxy recorded it: kept as SHARED are.
     kind: str = ""

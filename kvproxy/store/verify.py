@@ -2,8 +2,8 @@
 restore did not already take.
 
 A restore waits for two readers of the same file: the server's `action=restore` and this
-check, started together (slotwork.py), the request forwarded only once both are done and the
-check passed. So the check must never be the slower one:
+check, started together (cache/slotio/slotwork.py), the request forwarded only once both are
+done and the check passed. So the check must never be the slower one:
 
 - it reads the file in large chunks into one reused buffer and hashes each (the GIL released
   for both; no new Python object a chunk; not `mmap`, where a file truncated meanwhile would

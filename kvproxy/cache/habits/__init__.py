@@ -3,8 +3,9 @@ reply (echo.EchoStyles) and what it rewrites before it (rewrites.Rewrites). Lear
 the request that continues a conversation kvproxy recorded, applied when a slot is saved, so
 the saved state is the prefix the client's next request really starts with.
 
-Kept per namespace in an LRU bounded per tenant and in total (bounds.py), and written out
-(habits.json) within BYTE_BUDGET, so the file always stays readable by the next start."""
+Kept per namespace in an LRU bounded per tenant and in total (cache/decisions/bounds.py), and
+written out (habits.json) within BYTE_BUDGET, so the file always stays readable by the next
+start."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from kvproxy.cache.bounds import UNKNOWN_TENANT, NamespaceLRU
+from kvproxy.cache.decisions.bounds import UNKNOWN_TENANT, NamespaceLRU
 from kvproxy.cache.habits.echo import EchoStyles
 from kvproxy.cache.habits.rewrites import Rewrites, rewrite
 

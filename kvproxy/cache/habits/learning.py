@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvproxy.cache.backend import Backend
 from kvproxy.cache.habits import Habits, worth_comparing
-from kvproxy.cache.leases import Background
-from kvproxy.cache.slots import Slot
+from kvproxy.cache.servers.backend import Backend
+from kvproxy.cache.servers.leases import Background
+from kvproxy.cache.servers.slots import Slot
 from kvproxy.store import Entry, Store
 from kvproxy.wire import Conversation
 
