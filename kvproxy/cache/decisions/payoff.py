@@ -15,6 +15,11 @@ read (a cold-prefill rate learnt from shorter prompts errs fast, since attention
 the context); and when the request shares less than the whole state, the tokens it gets back
 are counted from above, as the UTF-8 bytes of what it shares (a byte-level tokenizer never
 makes more tokens than bytes) plus the template's markers, never more than the state holds.
+
+The same price bounds how long a returning turn waits for its own state's save still under
+way (`save_wait_s`): at least half a minute, and as long as prefilling that state would take,
+since giving up sooner means that prefill (a 4 GiB state's fsync on a slow disk can take
+longer than half a minute; its prefill takes minutes).
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ import orjson
 MARGIN = 2.0
 # Tokens a chat template adds around each message (role markers, separators), at most.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
+# How long a turn waits for its own state's save under way: at least this…
+SAVE_WAIT_FLOOR_S = 30.0
+# …and at most this, whatever its prefill would cost (a disk that hangs must not hold it).
+SAVE_WAIT_CEILING_S = 900.0
 
 
 class RestoreChoice(StrEnum):
@@ -79,3 +88,14 @@ def tokens_back(
     except TypeError:  # not JSON after all: no bound but the state's own
         return state_tokens
     return min(state_tokens, upper + TEMPLATE_TOKENS_PER_MESSAGE * shared)
+
+
+def save_wait_s(
+    tokens: int | None, prefill_ms_per_token: float | None, floor: float = SAVE_WAIT_FLOOR_S
+) -> float:
+    """How long a turn waits for the save of its own state of `tokens` tokens (None: not
+    known) before it goes on without it: `floor`, or the state's estimated prefill when
+    longer, never past SAVE_WAIT_CEILING_S."""
+    if not tokens or not prefill_ms_per_token:
+        return floor
+    return max(floor, min(tokens * prefill_ms_per_token / 1000, SAVE_WAIT_CEILING_S))

@@ -76,7 +76,8 @@ class Commits:
         self.in_flight += size  # on disk, not yet in the index's totals: room_for counts it
         commit = asyncio.ensure_future(self.commit(w, later=True))
         commit.add_done_callback(lambda _: self._landed(size))
-        self.under_way.committing(w.holding.key, commit)
+        tokens = w.entry.n_tokens if 0 < w.entry.n_tokens < UNKNOWN_TOKENS else None
+        self.under_way.committing(w.holding.key, commit, tokens)
         self.background.track(commit, "committing saves")
         return True
 

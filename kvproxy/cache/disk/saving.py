@@ -20,56 +20,81 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-# How long a turn waits for its own state's save under way on another slot.
-SAVE_WAIT_LIMIT = 30.0
+from kvproxy.cache.decisions.payoff import SAVE_WAIT_FLOOR_S, save_wait_s
+
+# How long a turn waits at least for its own state's save under way on another slot (longer
+# for a state whose prefill would take longer: decisions/payoff.py `save_wait_s`).
+SAVE_WAIT_LIMIT = SAVE_WAIT_FLOOR_S
 
 
 class SavesUnderWay:
     def __init__(self) -> None:
         self._saving: dict[str, asyncio.Future[None]] = {}
         self._committing: dict[str, set[asyncio.Future[Any]]] = {}
+        self._tokens: dict[str, int] = {}  # the size of a state under way, when known
 
     @contextlib.contextmanager
-    def saving(self, key: str | None) -> Iterator[None]:
+    def saving(self, key: str | None, tokens: int | None = None) -> Iterator[None]:
         if key is None or key in self._saving:
             yield
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._saving[key] = done
+        self._sized(key, tokens)
         try:
             yield
         finally:
             del self._saving[key]
+            self._settled(key)
             done.set_result(None)
 
-    def committing(self, key: str, commit: asyncio.Future[Any]) -> None:
+    def committing(self, key: str, commit: asyncio.Future[Any], tokens: int | None = None) -> None:
         """`key`'s state is written; it stays under way until `commit` (in the background)
         ends."""
         pending = self._committing.setdefault(key, set())
         pending.add(commit)
+        self._sized(key, tokens)
 
         def ended(_: asyncio.Future[Any]) -> None:
             pending.discard(commit)
             if not pending and self._committing.get(key) is pending:
                 del self._committing[key]
+            self._settled(key)
 
         commit.add_done_callback(ended)
+
+    def _sized(self, key: str, tokens: int | None) -> None:
+        if tokens:
+            self._tokens[key] = tokens
+
+    def _settled(self, key: str) -> None:
+        if not self.busy(key):
+            self._tokens.pop(key, None)
 
     def busy(self, key: str) -> bool:
         return key in self._saving or key in self._committing
 
-    async def done(self, keys: list[str]) -> None:
-        """Until no save or commit of `keys` is under way (at most SAVE_WAIT_LIMIT seconds):
-        a save that ends while waited for may leave its commit under way, waited for too."""
+    async def done(
+        self,
+        keys: list[str],
+        prefill_ms_per_token: float | None = None,
+        floor: float = SAVE_WAIT_LIMIT,
+    ) -> None:
+        """Until no save or commit of `keys` is under way, at most `floor` seconds or, at the
+        server's measured `prefill_ms_per_token`, as long as the biggest of those states would
+        take to prefill (`save_wait_s`): a save that ends while waited for may leave its
+        commit under way, waited for too."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + SAVE_WAIT_LIMIT
+        started = loop.time()
         while True:
             pending: list[asyncio.Future[Any]] = []
             for k in keys:
                 if k in self._saving:
                     pending.append(self._saving[k])
                 pending.extend(self._committing.get(k, ()))
-            left = deadline - loop.time()
+            tokens = max((self._tokens.get(k, 0) for k in keys), default=0)
+            limit = save_wait_s(tokens, prefill_ms_per_token, floor)
+            left = started + limit - loop.time()
             if not pending or left <= 0:
                 return
             await asyncio.wait([asyncio.shield(f) for f in pending], timeout=left)

@@ -80,7 +80,7 @@ class Reuse:
         the entry found expired since housekeeping last applied the TTL)."""
         if not self.backend.loras.current(conv.namespace):
             return NOTHING_FOUND  # read before the server was seen to start again
-        await self.work.under_way.done(conv.keys)  # a save of its own state under way
+        await self.work.saves_done(conv.keys)  # a save of its own state under way
         found = self.restorables(await self.store.candidates_async(conv.keys, conv.namespace))
         best = await self._pick(conv, found)
         if best is not None and self.store.expired(best[0]):

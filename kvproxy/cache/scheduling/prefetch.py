@@ -108,7 +108,7 @@ class Prefetcher:
                 return
             awaited, slot = picked
             # Its state may still be committing (its slot went to a newcomer): waited for.
-            await self.work.under_way.done(list(awaited.chain))
+            await self.work.saves_done(list(awaited.chain))
             found = await self.work.store.lookup_async(list(awaited.chain), awaited.namespace)
             if found is None or found[1] < len(awaited.chain):
                 self._tried.add(awaited.key)  # not on disk whole: its request will prefill

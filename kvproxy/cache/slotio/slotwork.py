@@ -17,7 +17,7 @@ from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import worth_saving
-from kvproxy.cache.disk.commits import Commits, Written
+from kvproxy.cache.disk.commits import UNKNOWN_TOKENS, Commits, Written
 from kvproxy.cache.disk.disktrouble import DiskTrouble
 from kvproxy.cache.disk.refused import kept_for_its_layout
 from kvproxy.cache.disk.saving import SavesUnderWay
@@ -82,6 +82,11 @@ class SlotWork:
         """`save` the slot (ours, verified) when what it holds is worth a file and not on
         disk yet: True when it was saved."""
         return self.worth_saving(slot) and await self.save(slot, background, give_way, commit_later)
+
+    async def saves_done(self, keys: list[str]) -> None:
+        """Until no save or commit of `keys` is under way: a returning turn waits for its own
+        state, as long as prefilling it instead would take (cache/disk/saving.py)."""
+        await self.under_way.done(keys, self.events.rates.ms_per_token(self.backend.name))
 
     # --- knowing what the slot holds
 
@@ -161,8 +166,10 @@ class SlotWork:
 
         `kind`: a conversation's TURN, or a start SHARED with other sessions (an opening, a
         stem): cache/disk/lineage.py supersedes only turns."""
-        key = slot.holding.key if slot.holding is not None else None
-        with self.under_way.saving(key):
+        held = slot.holding
+        key = held.key if held is not None else None
+        tokens = held.n_tokens if held is not None and held.n_tokens < UNKNOWN_TOKENS else None
+        with self.under_way.saving(key, tokens):
             return await self._save(slot, background, give_way, commit_later, kind)
 
     async def _save(
