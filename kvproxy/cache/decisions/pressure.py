@@ -1,5 +1,6 @@
 """When to save an idle slot in the background, so that a request needing the slot later finds
-its eviction free: decisions on plain data (no I/O, no clock; cache.py runs the saves).
+its eviction free: decisions on plain data (no I/O, no clock;
+cache/scheduling/background_saves.py runs the saves).
 
 Without this, a slot is saved when a request needs it for another conversation: the
 canonical prefix (templates, tokenisation, an evaluation on the slot), the server's save,
