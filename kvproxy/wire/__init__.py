@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
+
 from kvproxy import keys
 from kvproxy.wire.capture import Reply
 
@@ -135,6 +137,22 @@ class WireAdapter(Protocol):
         """The reply as the client will send it back in its next request (None: the next
         request does not carry it, as a prompt's)."""
         ...
+
+
+class NativeRoute:
+    """What the adapters of an API the server speaks itself (chat, prompts, Responses) share:
+    the client's body goes where it was sent, pinned, and the reply back unchanged."""
+
+    route_pins = True
+
+    def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
+        return orjson.dumps({**payload, "id_slot": slot_id})
+
+    def upstream_path(self, path_qs: str) -> str:
+        return path_qs
+
+    def translator(self, conversation: Conversation) -> None:
+        return None
 
 
 def keyed(

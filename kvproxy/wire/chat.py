@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from kvproxy import keys
-from kvproxy.wire import Conversation, NotKeyed, keyed
+from kvproxy.wire import Conversation, NativeRoute, NotKeyed, keyed
 from kvproxy.wire.capture import Reply, ReplyCapture
 
 
-class ChatAdapter:
+class ChatAdapter(NativeRoute):
     name = "chat"
-    route_pins = True
 
     def __init__(self, keep_reasoning: bool = False) -> None:
         self.keep_reasoning = keep_reasoning
@@ -23,15 +20,6 @@ class ChatAdapter:
         self, payload: dict[str, Any], model_identity: keys.Identity | str, tenant: str | None
     ) -> Conversation | NotKeyed:
         return keyed(payload, payload, model_identity, tenant)
-
-    def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
-        return orjson.dumps({**payload, "id_slot": slot_id})
-
-    def upstream_path(self, path_qs: str) -> str:
-        return path_qs
-
-    def translator(self, conversation: Conversation) -> None:
-        return None
 
     def capture(self, conversation: Conversation) -> ReplyCapture:
         return ReplyCapture(streaming=bool(conversation.payload.get("stream")))

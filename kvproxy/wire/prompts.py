@@ -27,7 +27,14 @@ from typing import Any
 import orjson
 
 from kvproxy import keys
-from kvproxy.wire import Conversation, NotKeyed, Tail, several_slots, with_lora_of
+from kvproxy.wire import (
+    Conversation,
+    NativeRoute,
+    NotKeyed,
+    Tail,
+    several_slots,
+    with_lora_of,
+)
 from kvproxy.wire.capture import CapturedBytes, Reply
 
 BLOCK_CHARS = 256
@@ -109,10 +116,8 @@ def read_prompt(
     return with_lora_of(conv, identity, payload)
 
 
-class PromptAdapter:
+class PromptAdapter(NativeRoute):
     """`/completion`, `/v1/completions` (kind "completion") or `/infill` (kind "infill")."""
-
-    route_pins = True
 
     def __init__(self, kind: str) -> None:
         self.name = kind
@@ -122,15 +127,6 @@ class PromptAdapter:
         self, payload: dict[str, Any], model_identity: keys.Identity | str, tenant: str | None
     ) -> Conversation | NotKeyed:
         return read_prompt(self.kind, payload, model_identity, tenant)
-
-    def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
-        return orjson.dumps({**payload, "id_slot": slot_id})
-
-    def upstream_path(self, path_qs: str) -> str:
-        return path_qs
-
-    def translator(self, conversation: Conversation) -> None:
-        return None
 
     def capture(self, conversation: Conversation) -> PromptCapture:
         return PromptCapture(streaming=bool(conversation.payload.get("stream")))

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from kvproxy import keys
-from kvproxy.wire import Conversation, NotKeyed, keyed
+from kvproxy.wire import Conversation, NativeRoute, NotKeyed, keyed
 from kvproxy.wire.capture import CapturedBytes, Reply
 
 
@@ -251,7 +251,7 @@ def output_items(reply: Reply, keep_reasoning: bool) -> list[dict[str, Any]]:
     return items
 
 
-class ResponsesAdapter:
+class ResponsesAdapter(NativeRoute):
     name = "responses"
     route_pins = True  # the server honours `id_slot` on /v1/responses
 
@@ -269,15 +269,6 @@ class ResponsesAdapter:
         # `reasoning_effort` from `reasoning.effort`; `client_metadata`, `prompt_cache_key`,
         # `metadata`, `user`, `store`, `stream` shape nothing and stay out of the keys.
         return keyed(payload, chat, model_identity, tenant)
-
-    def pinned(self, payload: dict[str, Any], slot_id: int) -> bytes:
-        return orjson.dumps({**payload, "id_slot": slot_id})
-
-    def upstream_path(self, path_qs: str) -> str:
-        return path_qs
-
-    def translator(self, conversation: Conversation) -> None:
-        return None
 
     def capture(self, conversation: Conversation) -> ResponsesCapture:
         # The server's json_value(data, "stream", false): only a JSON true streams.
