@@ -14,12 +14,13 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy_bench.client import Answered
 from kvproxy_bench.fleet import quantile
 from kvproxy_bench.toolcalls import add_call_deltas
 
 
 @dataclass
-class Streamed:
+class Streamed(Answered):
     status: int
     headers: dict[str, str]
     ttfb_s: float  # the reply's head (status and headers)
@@ -31,22 +32,6 @@ class Streamed:
     finish_reason: str | None = None
     timings: dict[str, Any] = field(default_factory=dict)  # the last event's
     error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None
-
-    @property
-    def cache_n(self) -> int:
-        return int(self.timings.get("cache_n", 0))
-
-    @property
-    def prompt_n(self) -> int:
-        return int(self.timings.get("prompt_n", 0))
-
-    @property
-    def cache_state(self) -> str:
-        return self.headers.get("X-KVProxy-Cache", "-")
 
     @property
     def restore_ms(self) -> float:

@@ -14,21 +14,18 @@ import orjson
 from kvproxy.http.session import LenientConnector
 
 
-@dataclass
-class Reply:
+class Answered:
+    """What a reply tells, streamed or not: its status, the server's `timings`, kvproxy's
+    X-KVProxy-Cache header."""
+
     status: int
-    body: dict[str, Any]
     headers: dict[str, str]
-    seconds: float  # wall time of the whole request, client side
-    error: str | None = None
+    timings: dict[str, Any]
+    error: str | None
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
-
-    @property
-    def timings(self) -> dict[str, Any]:
-        return self.body.get("timings") or {}
 
     @property
     def cache_n(self) -> int:
@@ -37,6 +34,24 @@ class Reply:
     @property
     def prompt_n(self) -> int:
         return int(self.timings.get("prompt_n", 0))
+
+    @property
+    def cache_state(self) -> str:
+        return self.headers.get("X-KVProxy-Cache", "-")
+
+
+@dataclass
+class Reply(Answered):
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+    seconds: float  # wall time of the whole request, client side
+    error: str | None = None
+    timings: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        found = self.body.get("timings") if isinstance(self.body, dict) else None
+        self.timings = found if isinstance(found, dict) else {}
 
     @property
     def server_ms(self) -> float:
@@ -51,10 +66,6 @@ class Reply:
             return str(self.body["choices"][0]["message"]["content"] or "")
         except (KeyError, IndexError, TypeError):
             return ""
-
-    @property
-    def cache_state(self) -> str:
-        return self.headers.get("X-KVProxy-Cache", "-")
 
 
 @dataclass
