@@ -39,6 +39,11 @@ log = logging.getLogger("kvproxy.cache")
 UNKNOWN_TOKENS = 1 << 40
 
 
+def known_tokens(n_tokens: int) -> int | None:
+    """A holding's token count when it is a size, None when it is a placeholder."""
+    return n_tokens if 0 < n_tokens < UNKNOWN_TOKENS else None
+
+
 @dataclass(frozen=True)
 class Written:
     """A state the server wrote under a temp name, to commit."""
@@ -76,8 +81,7 @@ class Commits:
         self.in_flight += size  # on disk, not yet in the index's totals: room_for counts it
         commit = asyncio.ensure_future(self.commit(w, later=True))
         commit.add_done_callback(lambda _: self._landed(size))
-        tokens = w.entry.n_tokens if 0 < w.entry.n_tokens < UNKNOWN_TOKENS else None
-        self.under_way.committing(w.holding.key, commit, tokens)
+        self.under_way.committing(w.holding.key, commit, known_tokens(w.entry.n_tokens))
         self.background.track(commit, "committing saves")
         return True
 
@@ -197,7 +201,7 @@ class Commits:
     def estimate(self, n_tokens: int) -> int | None:
         """A state of `n_tokens` tokens in bytes (cache/servers/pace.py: this server's last save
         or restore, else the model's KV geometry); None when not known."""
-        if self.pace is None or not 0 < n_tokens < UNKNOWN_TOKENS:
+        if self.pace is None or known_tokens(n_tokens) is None:
             return None
         return self.pace.state_bytes(n_tokens)
 

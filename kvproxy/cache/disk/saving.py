@@ -22,10 +22,6 @@ from typing import Any
 
 from kvproxy.cache.decisions.payoff import SAVE_WAIT_FLOOR_S, save_wait_s
 
-# How long a turn waits at least for its own state's save under way on another slot (longer
-# for a state whose prefill would take longer: decisions/payoff.py `save_wait_s`).
-SAVE_WAIT_LIMIT = SAVE_WAIT_FLOOR_S
-
 
 class SavesUnderWay:
     def __init__(self) -> None:
@@ -78,7 +74,7 @@ class SavesUnderWay:
         self,
         keys: list[str],
         prefill_ms_per_token: float | None = None,
-        floor: float = SAVE_WAIT_LIMIT,
+        floor: float = SAVE_WAIT_FLOOR_S,
     ) -> None:
         """Until no save or commit of `keys` is under way, at most `floor` seconds or, at the
         server's measured `prefill_ms_per_token`, as long as the biggest of those states would

@@ -17,7 +17,7 @@ from kvproxy import keys
 from kvproxy.cache.canonical import prefix as canonical
 from kvproxy.cache.context import CacheContext
 from kvproxy.cache.decisions.policy import worth_saving
-from kvproxy.cache.disk.commits import UNKNOWN_TOKENS, Commits, Written
+from kvproxy.cache.disk.commits import Commits, Written, known_tokens
 from kvproxy.cache.disk.disktrouble import DiskTrouble
 from kvproxy.cache.disk.refused import kept_for_its_layout
 from kvproxy.cache.disk.saving import SavesUnderWay
@@ -168,8 +168,7 @@ class SlotWork:
         stem): cache/disk/lineage.py supersedes only turns."""
         held = slot.holding
         key = held.key if held is not None else None
-        tokens = held.n_tokens if held is not None and held.n_tokens < UNKNOWN_TOKENS else None
-        with self.under_way.saving(key, tokens):
+        with self.under_way.saving(key, known_tokens(held.n_tokens) if held is not None else None):
             return await self._save(slot, background, give_way, commit_later, kind)
 
     async def _save(
